@@ -1,0 +1,90 @@
+"""The `Backend` protocols the decoders drive, and the data they exchange.
+
+Kept small so that torch (CPU), onnxruntime and TensorRT can all implement them:
+a target runs new rows over its paged cache (prefill, decode and verify are the same call with
+different row counts) and can roll a sequence back; a draft takes context features and proposes
+a block of tokens with the distribution it sampled them from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from edgebuild.runtime.kv_cache import Sequence
+from edgebuild.runtime.sampling import SamplingParams
+
+
+@dataclass
+class TargetStep:
+    """Output of one target call for a batch of B sequences.
+
+    logits[b]: fp32 [R_b, V] for the rows asked for; taps[b]: [n_b, n_t * d] concatenated
+    tapped hidden states of every new row (None when no taps were asked for).
+    """
+
+    logits: list[torch.Tensor]
+    taps: list[torch.Tensor] | None
+
+
+@dataclass
+class Proposal:
+    """A drafted block for one sequence.
+
+    tokens: the n drafted ids (positions s+1..s+n after the anchor at s).
+    q: fp32 [n, V] the distribution each token was drawn from (one-hot when greedy; zero
+       outside the top-k candidates); used by rejection sampling.
+    confidence: fp32 [n] confidence-head probabilities (ones when the draft has no head).
+    """
+
+    tokens: list[int]
+    q: torch.Tensor
+    confidence: torch.Tensor
+
+
+class TargetBackend(Protocol):
+    """Runs the target LLM over a paged KV cache."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def new_sequence(self) -> Sequence: ...
+
+    def forward(
+        self,
+        seqs: list[Sequence],
+        rows: list[torch.Tensor],  # per sequence int64 [n_b] new token ids
+        logits_rows: list[list[int]],  # per sequence row indices (into its n_b rows)
+        tap_layers: tuple[int, ...] = (),
+        inputs_embeds: list[torch.Tensor | None] | None = None,
+    ) -> TargetStep: ...
+
+    def rollback(self, seq: Sequence, rows: int) -> None: ...
+
+    def free(self, seq: Sequence) -> None: ...
+
+    def can_fit(self, rows: int) -> bool: ...
+
+
+class DraftBackend(Protocol):
+    """Runs a speculative draft (DSpark) with its own context cache."""
+
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+
+    def new_sequence(self) -> Sequence: ...
+
+    def update_context(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None: ...
+
+    def propose(
+        self,
+        seqs: list[Sequence],
+        anchors: list[int],
+        num_tokens: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+    ) -> list[Proposal]: ...
+
+    def free(self, seq: Sequence) -> None: ...

@@ -1,0 +1,266 @@
+"""Decoders: target-only and DSpark speculative decoding, as batched steps over requests.
+
+Words used below (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; DSpark, Cheng et al. 2026, arXiv 2607.05147, section 3; spec/draft-checkpoint-formats.md
+section 3):
+
+- **anchor**: the newest committed token, at position s, not yet in the target's KV cache.
+- **propose**: one draft pass over the block [anchor, mask x (B-1)] followed by the left-to-right
+  Markov walk; gives drafts d_1..d_n for positions s+1..s+n and the distributions q_i they were
+  drawn from (restricted to the top-k base candidates).
+- **verify**: one target pass over [anchor, d_1..d_n] at positions s..s+n; row i gives the
+  target distribution p_i for position s+i+1.
+- **accept**: keep d_i with probability min(1, p_{i-1}(d_i) / q_i(d_i)), left to right, until
+  the first rejection; a = number accepted (greedy: exact match with the target argmax).
+- **resample**: after a rejection at i = a+1, draw the correction from
+  normalize(max(0, p_a - q_{a+1})) (p_a itself if that mass is <= 1e-8).
+- **bonus**: when all n drafts are accepted, draw one more token from p_n.
+
+Each step commits a+1 tokens (tau = a+1 is the accepted length, bonus included). The target
+cache keeps [anchor, d_1..d_a] and rolls back n-a rows; the draft's context is extended with the
+target features of those a+1 rows. Stops inside the block are honoured token by token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from edgebuild.runtime.backend import DraftBackend, Proposal, TargetBackend
+from edgebuild.runtime.kv_cache import Sequence
+from edgebuild.runtime.metrics import RequestMetrics
+from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
+from edgebuild.runtime.stopping import StopChecker
+
+RESIDUAL_EPS = 1e-8
+
+
+@dataclass
+class RequestState:
+    """Per-request decoding state; everything here is dropped when the request ends."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stopper: StopChecker
+    generator: torch.Generator
+    seq: Sequence | None = None
+    draft_seq: Sequence | None = None
+    anchor: int | None = None  # committed token not yet in the target cache
+    pending_features: torch.Tensor | None = None  # [m, n_t*d] target taps not yet in draft cache
+    prompt_embeds: torch.Tensor | None = None  # [P, d] multimodal prefill input
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    new_tokens: list[int] = field(default_factory=list)  # committed during the last step
+
+    @property
+    def finished(self) -> bool:
+        return self.stopper.finish_reason is not None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.stopper.output_ids
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.stopper.output_ids)
+
+
+# ---------------------------------------------------------------------- verification parts
+def accept(
+    p: torch.Tensor,  # fp32 [n+1, V] target distributions for rows 0..n
+    q: torch.Tensor,  # fp32 [n, V] draft distributions of d_1..d_n
+    drafts: list[int],
+    greedy: bool,
+    generator: torch.Generator,
+) -> int:
+    """Number of drafts accepted left to right (min(1, p/q) rule; greedy: argmax match)."""
+    for i, d in enumerate(drafts):
+        if greedy:
+            if int(p[i].argmax()) != d:
+                return i
+            continue
+        p_d, q_d = float(p[i, d]), float(q[i, d])
+        if q_d <= 0.0:
+            return i  # the draft cannot have produced d: treat as rejected
+        u = float(torch.rand((), generator=generator))
+        if u >= min(1.0, p_d / q_d):
+            return i
+    return len(drafts)
+
+
+def resample(p_row: torch.Tensor, q_row: torch.Tensor, greedy: bool, generator) -> int:
+    """Correction token after a rejection: from normalize(max(0, p - q)), else from p."""
+    if greedy:
+        return int(p_row.argmax())
+    residual = (p_row - q_row).clamp_min(0.0)
+    mass = float(residual.sum())
+    if mass <= RESIDUAL_EPS:
+        return sample(p_row, generator)
+    return sample(residual / mass, generator)
+
+
+def bonus(p_row: torch.Tensor, greedy: bool, generator) -> int:
+    """Extra token when every draft was accepted: a sample from the last target row."""
+    return int(p_row.argmax()) if greedy else sample(p_row, generator)
+
+
+# ---------------------------------------------------------------------- decoders
+class TargetOnlyDecoder:
+    """Plain autoregressive decoding: one target pass per token (batched across requests)."""
+
+    def __init__(self, target: TargetBackend):
+        self.target = target
+
+    def start(self, st: RequestState) -> None:
+        st.seq = self.target.new_sequence()
+
+    def finish(self, st: RequestState) -> None:
+        if st.seq is not None:
+            self.target.free(st.seq)
+
+    def _commit(self, st: RequestState, tokens: list[int]) -> None:
+        taken = st.stopper.feed_many(tokens)
+        st.new_tokens.extend(taken)
+        st.metrics.generated += len(taken)
+
+    def prefill(self, st: RequestState, tap_layers: tuple[int, ...] = ()):
+        """Run the prompt and commit the first token; returns the prompt's taps (or None)."""
+        t0 = time.perf_counter()
+        rows = torch.tensor(st.prompt_ids, dtype=torch.int64)
+        out = self.target.forward(
+            [st.seq], [rows], [[len(st.prompt_ids) - 1]], tap_layers, [st.prompt_embeds]
+        )
+        p = target_probs(out.logits[0][-1], st.params)
+        token = sample(p, st.generator)
+        st.anchor = token
+        st.metrics.prefill_s += time.perf_counter() - t0
+        st.metrics.prompt_tokens = len(st.prompt_ids)
+        self._commit(st, [token])
+        return out.taps[0] if out.taps is not None else None
+
+    def step(self, states: list[RequestState]) -> None:
+        """Advance every unfinished request by one token (prefill first when needed)."""
+        for st in states:
+            st.new_tokens = []
+        fresh = [s for s in states if s.anchor is None and not s.finished]
+        for st in fresh:
+            self.prefill(st)
+        live = [s for s in states if s not in fresh and not s.finished]
+        if not live:
+            return
+        t0 = time.perf_counter()
+        rows = [torch.tensor([s.anchor], dtype=torch.int64) for s in live]
+        out = self.target.forward([s.seq for s in live], rows, [[0]] * len(live))
+        dt = time.perf_counter() - t0
+        for st, logits in zip(live, out.logits, strict=True):
+            token = sample(target_probs(logits[0], st.params), st.generator)
+            st.anchor = token
+            st.metrics.verify_s += dt / len(live)
+            st.metrics.record_step(proposed=0, accepted=0)
+            self._commit(st, [token])
+
+
+class DSparkDecoder(TargetOnlyDecoder):
+    """DSpark speculative decoding (propose -> verify -> accept -> resample | bonus).
+
+    Args:
+        target: the target backend (must return taps of `draft.target_layer_ids`).
+        draft: the draft backend.
+        num_speculative_tokens: n, 1..block_size drafts per step.
+        confidence_threshold: static cutoff tau: the proposal stops at the first position
+            whose confidence is below it (0 = off; DeepSpec `_confident_prefix_length`).
+    """
+
+    def __init__(
+        self,
+        target: TargetBackend,
+        draft: DraftBackend,
+        num_speculative_tokens: int,
+        confidence_threshold: float = 0.0,
+    ):
+        super().__init__(target)
+        self.draft = draft
+        self.n = num_speculative_tokens
+        self.threshold = confidence_threshold
+        self.taps = tuple(draft.target_layer_ids)
+
+    def start(self, st: RequestState) -> None:
+        super().start(st)
+        st.draft_seq = self.draft.new_sequence()
+
+    def finish(self, st: RequestState) -> None:
+        super().finish(st)
+        if st.draft_seq is not None:
+            self.draft.free(st.draft_seq)
+        st.pending_features = None
+
+    def step(self, states: list[RequestState]) -> None:
+        """One speculative step for every unfinished request (prefill first when needed)."""
+        for st in states:
+            st.new_tokens = []
+        fresh = [s for s in states if s.anchor is None and not s.finished]
+        for st in fresh:
+            st.pending_features = self.prefill(st, self.taps)
+        live = [s for s in states if s not in fresh and not s.finished]
+        if live:
+            proposals = self.propose(live)
+            self.verify_and_commit(live, proposals)
+
+    def propose(self, live: list[RequestState]) -> list[Proposal]:
+        """Extend the draft context with pending target features, then draft a block each."""
+        t0 = time.perf_counter()
+        need = [s for s in live if s.pending_features is not None and len(s.pending_features)]
+        if need:
+            self.draft.update_context(
+                [s.draft_seq for s in need], [s.pending_features for s in need]
+            )
+            for s in need:
+                s.pending_features = None
+        # Budget: a step commits n+1 tokens at most, so never draft past the remaining budget.
+        counts = [max(0, min(self.n, s.remaining - 1)) for s in live]
+        proposals = self.draft.propose(
+            [s.draft_seq for s in live],
+            [s.anchor for s in live],
+            counts,
+            [s.params for s in live],
+            [s.generator for s in live],
+        )
+        if self.threshold > 0:
+            proposals = [self._cutoff(p) for p in proposals]
+        dt = time.perf_counter() - t0
+        for s in live:
+            s.metrics.draft_s += dt / len(live)
+        return proposals
+
+    def _cutoff(self, prop: Proposal) -> Proposal:
+        below = (prop.confidence < self.threshold).nonzero()
+        n = int(below[0]) if len(below) else len(prop.tokens)
+        return Proposal(prop.tokens[:n], prop.q[:n], prop.confidence[:n])
+
+    def verify_and_commit(self, live: list[RequestState], proposals: list[Proposal]) -> None:
+        """Target pass over [anchor, drafts]; accept, resample or bonus; roll back; commit."""
+        t0 = time.perf_counter()
+        rows = [
+            torch.tensor([s.anchor, *p.tokens], dtype=torch.int64)
+            for s, p in zip(live, proposals, strict=True)
+        ]
+        out = self.target.forward(
+            [s.seq for s in live], rows, [list(range(len(r))) for r in rows], self.taps
+        )
+        dt = time.perf_counter() - t0
+        for b, (st, prop) in enumerate(zip(live, proposals, strict=True)):
+            n = len(prop.tokens)
+            p = target_probs(out.logits[b], st.params)  # [n+1, V]
+            a = accept(p, prop.q, prop.tokens, st.params.greedy, st.generator)
+            if a < n:
+                nxt = resample(p[a], prop.q[a], st.params.greedy, st.generator)
+            else:
+                nxt = bonus(p[n], st.params.greedy, st.generator)
+            self.target.rollback(st.seq, n - a)  # keep anchor + accepted drafts
+            st.pending_features = out.taps[b][: a + 1]
+            st.anchor = nxt
+            st.metrics.verify_s += dt / len(live)
+            st.metrics.record_step(proposed=n, accepted=a)
+            self._commit(st, [*prop.tokens[:a], nxt])

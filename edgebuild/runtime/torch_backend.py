@@ -1,0 +1,134 @@
+"""The torch (CPU) backend: runs the checkpoint's models eagerly over paged KV pools.
+
+This is the embedded default wherever TensorRT or a GPU is missing, and the reference the
+TensorRT backend is checked against.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from edgebuild.models.common import PagedBatch
+from edgebuild.models.llama import LlamaForCausalLM
+from edgebuild.runtime.backend import TargetStep
+from edgebuild.runtime.kv_cache import PageAllocator, Sequence, allocate_pools
+
+log = logging.getLogger("edgebuild.runtime")
+
+DEFAULT_PAGE_SIZE = 32
+
+
+def pad_rows(rows: list[torch.Tensor], fill: int = 0) -> torch.Tensor:
+    """Stack unequal 1-D / 2-D row tensors into [B, S_max, ...] padded with `fill`."""
+    width = max(int(r.shape[0]) for r in rows)
+    out = torch.full((len(rows), width, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out
+
+
+def make_batch(
+    allocator: PageAllocator, seqs: list[Sequence], lengths: list[int], positions=None
+) -> PagedBatch:
+    """Reserve pages for `lengths[b]` new rows of each sequence and describe the batch.
+
+    Positions default to the cache slots (seq.length + i).
+    """
+    for s, n in zip(seqs, lengths, strict=True):
+        allocator.reserve(s, n)
+    width = max(lengths)
+    past = torch.tensor([s.length for s in seqs], dtype=torch.int32)
+    if positions is None:
+        positions = past[:, None] + torch.arange(width, dtype=torch.int32)[None, :]
+    return PagedBatch(
+        page_table=allocator.page_table(seqs),
+        past_lengths=past,
+        input_lengths=torch.tensor(lengths, dtype=torch.int32),
+        positions=positions.to(torch.int32),
+    )
+
+
+class TorchTarget:
+    """TargetBackend over a :class:`LlamaForCausalLM` on the CPU.
+
+    Args:
+        model: the target model (eval mode).
+        max_kv_rows: KV capacity in rows (tokens), shared by all sequences.
+        page_size: rows per page.
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, max_kv_rows: int = 16384, page_size: int = DEFAULT_PAGE_SIZE
+    ):
+        cfg = model.config
+        self.model, self.config = model, cfg
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = cfg.max_position_embeddings
+        num_pages = -(-max_kv_rows // page_size)
+        self.allocator = PageAllocator(num_pages, page_size)
+        dtype = next(model.parameters()).dtype
+        self.pools = allocate_pools(
+            cfg.num_hidden_layers,
+            num_pages,
+            page_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype,
+        )
+
+    def new_sequence(self) -> Sequence:
+        return self.allocator.new_sequence()
+
+    def can_fit(self, rows: int) -> bool:
+        return self.allocator.pages_for(rows) <= self.allocator.num_pages
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        seqs: list[Sequence],
+        rows: list[torch.Tensor],
+        logits_rows: list[list[int]],
+        tap_layers: tuple[int, ...] = (),
+        inputs_embeds: list[torch.Tensor | None] | None = None,
+    ) -> TargetStep:
+        """Append `rows[b]` to sequence b and return logits of `logits_rows[b]` (+ taps).
+
+        rows[b]: int64 [n_b]; logits_rows[b]: indices in [0, n_b). Returns fp32 logits
+        [len(logits_rows[b]), V] per sequence and taps [n_b, n_t * d] when asked for.
+        """
+        lengths = [int(r.shape[0]) for r in rows]
+        batch = make_batch(self.allocator, seqs, lengths)
+        ids = pad_rows(rows)
+        embeds = None
+        if inputs_embeds is not None and any(e is not None for e in inputs_embeds):
+            embeds = self.model.embed(ids)
+            for b, e in enumerate(inputs_embeds):
+                if e is not None:
+                    embeds[b, : e.shape[0]] = e.to(embeds.dtype)
+        r_max = max(len(r) for r in logits_rows)
+        sel = torch.zeros(len(seqs), r_max, dtype=torch.int64)
+        for b, r in enumerate(logits_rows):
+            sel[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
+            sel[b, len(r) :] = r[-1] if r else 0
+        logits, taps = self.model(
+            self.pools,
+            batch,
+            input_ids=ids,
+            inputs_embeds=embeds,
+            logits_rows=sel,
+            tap_layers=tap_layers,
+        )
+        for s, n in zip(seqs, lengths, strict=True):
+            self.allocator.advance(s, n)
+        return TargetStep(
+            logits=[logits[b, : len(r)] for b, r in enumerate(logits_rows)],
+            taps=[taps[b, :n] for b, n in enumerate(lengths)] if taps is not None else None,
+        )
+
+    def rollback(self, seq: Sequence, rows: int) -> None:
+        self.allocator.rollback(seq, rows)
+
+    def free(self, seq: Sequence) -> None:
+        self.allocator.free(seq)
