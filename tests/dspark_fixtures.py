@@ -35,11 +35,9 @@ def make_random_draft(
     kv = tcfg.get("num_key_value_heads", heads)
     hd = tcfg.get("head_dim") or d // heads
     inter = tcfg["intermediate_size"]
-    taps = (
-        target_layer_ids
-        if target_layer_ids is not None
-        else sorted({1, n_target // 2, n_target - 2})
-    )
+    taps = target_layer_ids
+    if taps is None:  # like the published defaults, never the final layer (spec section 1.5)
+        taps = sorted({min(t, n_target - 2) for t in (1, n_target // 2, n_target - 2)})
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):

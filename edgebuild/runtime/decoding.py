@@ -32,7 +32,7 @@ from edgebuild.runtime.backend import DraftBackend, Proposal, TargetBackend
 from edgebuild.runtime.kv_cache import Sequence
 from edgebuild.runtime.metrics import RequestMetrics
 from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
-from edgebuild.runtime.stopping import StopChecker
+from edgebuild.runtime.stopping import IncrementalDetokenizer, StopChecker
 
 RESIDUAL_EPS = 1e-8
 
@@ -53,6 +53,20 @@ class RequestState:
     prompt_embeds: torch.Tensor | None = None  # [P, d] multimodal prefill input
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     new_tokens: list[int] = field(default_factory=list)  # committed during the last step
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop_token_ids: frozenset[int] = frozenset(),
+        detok: IncrementalDetokenizer | None = None,
+    ) -> RequestState:
+        """A fresh state: its own stop checker (EOS ids + params.stop_token_ids) and generator."""
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(stop_token_ids)
+        stopper = StopChecker(params.max_tokens, stop_ids, tuple(params.stop), detok)
+        return cls(request_id, list(prompt_ids), params, stopper, params.generator())
 
     @property
     def finished(self) -> bool:
@@ -104,6 +118,24 @@ def resample(p_row: torch.Tensor, q_row: torch.Tensor, greedy: bool, generator) 
 def bonus(p_row: torch.Tensor, greedy: bool, generator) -> int:
     """Extra token when every draft was accepted: a sample from the last target row."""
     return int(p_row.argmax()) if greedy else sample(p_row, generator)
+
+
+def run_to_completion(decoder: TargetOnlyDecoder, states: list[RequestState]) -> None:
+    """Step `states` until all finish (finished ones leave the batch); frees everything."""
+    try:
+        for st in states:
+            if st.seq is None:
+                decoder.start(st)
+        active = list(states)
+        while active:
+            decoder.step(active)
+            for st in active:
+                if st.finished:
+                    decoder.finish(st)
+            active = [s for s in active if not s.finished]
+    finally:
+        for st in states:
+            decoder.finish(st)
 
 
 # ---------------------------------------------------------------------- decoders

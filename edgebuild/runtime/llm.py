@@ -18,10 +18,15 @@ import torch
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError, RequestError
 from edgebuild.models.llama import LlamaForCausalLM
-from edgebuild.runtime.decoding import DSparkDecoder, RequestState, TargetOnlyDecoder
+from edgebuild.runtime.decoding import (
+    DSparkDecoder,
+    RequestState,
+    TargetOnlyDecoder,
+    run_to_completion,
+)
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.speculative import SpeculativeConfig
-from edgebuild.runtime.stopping import IncrementalDetokenizer, StopChecker
+from edgebuild.runtime.stopping import IncrementalDetokenizer
 from edgebuild.runtime.torch_backend import DEFAULT_PAGE_SIZE, TorchTarget
 
 log = logging.getLogger("edgebuild.runtime")
@@ -159,17 +164,10 @@ class LLM:
     ) -> RequestState:
         """A RequestState with its own stop checker, generator and cache sequences."""
         self.check_request(prompt_ids, params)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_ids()
+        eos = frozenset() if params.ignore_eos else self.eos_ids()
         detok = IncrementalDetokenizer(self.tokenizer)
-        stopper = StopChecker(params.max_tokens, frozenset(stop_ids), tuple(params.stop), detok)
-        st = RequestState(
-            request_id=request_id or f"req-{next(self._ids)}",
-            prompt_ids=list(prompt_ids),
-            params=params,
-            stopper=stopper,
-            generator=params.generator(),
+        st = RequestState.create(
+            request_id or f"req-{next(self._ids)}", prompt_ids, params, eos, detok
         )
         self.decoder.start(st)
         return st
@@ -184,17 +182,7 @@ class LLM:
         """Run a batch of prompts to completion (continuous batching: finished ones leave)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         states = [self.new_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        try:
-            active = list(states)
-            while active:
-                self.decoder.step(active)
-                for st in active:
-                    if st.finished:
-                        self.finish(st)
-                active = [s for s in active if not s.finished]
-        finally:
-            for st in states:
-                self.finish(st)
+        run_to_completion(self.decoder, states)
         return states
 
     def generate(self, prompt: str, params: SamplingParams, chat: bool = False) -> RequestState:

@@ -1,0 +1,1114 @@
+"""DSpark draft model: config, backbone (context update + non-causal block) and the small heads.
+
+A DSpark draft (spec/draft-checkpoint-formats.md, cited below as "spec §N") is a few Qwen3
+layers that read two sources: the *context* (target hidden states of committed tokens, projected
+by ``fc`` + ``hidden_norm``, whose K/V persist in the draft's paged cache) and the *block*
+``[anchor, mask x (B-1)]`` at positions ``s .. s+B-1`` (whose K/V never persist). Every block
+row sees every context row and every block row (non-causal). Row ``i`` predicts the token at
+``s+i+1`` (all-predicting, spec §3), so a block of ``B`` rows yields ``B`` drafts. The logits are
+``lm_head(norm(h))`` plus, during the left-to-right walk, a low-rank Markov bias that depends
+on the previous token (spec §1.3); an optional confidence head estimates acceptance (spec §1.4).
+
+This module owns:
+
+* :class:`DSparkConfig`: both packagings (DeepSpec ``Qwen3DSparkModel``, SpecForge / RadixArk
+  ``DSparkDraftModel``), parsed from the top level, ``dflash_config`` and ``dspark_config``
+  (spec §1.1, §6.1), and ``validate()`` against the target (spec §1.5, §6.3-§6.8).
+* :class:`DSparkDraft`: parameter names are the checkpoint names without a ``model.`` prefix
+  (spec §1.2); :func:`canonical_name` is the one place that maps other spellings
+  (``model.`` prefix, legacy ``logit_head.`` nesting) onto them.
+* :class:`DSparkMarkovHead` (vanilla / gated / rnn) and :class:`DSparkConfidenceHead`.
+
+Attention goes through :func:`edgebuild.ops.attention.paged_attention` (the attention plugin's
+CPU reference), like the target model in :mod:`edgebuild.models.llama`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgebuild.checkpoint.config import ModelConfig
+from edgebuild.checkpoint.quant import QuantizedWeight, is_quant_aux_tensor
+from edgebuild.checkpoint.source import WeightSource
+from edgebuild.errors import CheckpointError, ConfigError, PairingError
+from edgebuild.models.common import PagedBatch, RMSNorm, check_shape, dense
+from edgebuild.ops.attention import paged_attention
+from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
+
+log = logging.getLogger("edgebuild.models")
+
+__all__ = [
+    "DSparkConfidenceHead",
+    "DSparkConfig",
+    "DSparkDraft",
+    "DSparkMarkovHead",
+    "DSparkPackaging",
+    "MarkovHeadType",
+    "canonical_name",
+    "default_target_layer_ids",
+    "expected_shapes",
+]
+
+
+class DSparkPackaging(str, Enum):
+    """How a DSpark checkpoint is packaged; the value is its ``architectures[0]`` (spec §1.1)."""
+
+    DEEPSPEC = "Qwen3DSparkModel"  # fields at the top level; ships embed_tokens + lm_head
+    SPECFORGE = "DSparkDraftModel"  # fields in dflash_config / dspark_config; no embed, no head
+
+
+class MarkovHeadType(str, Enum):
+    """Markov head variants (spec §1.3); the value is the config's ``markov_head_type``."""
+
+    VANILLA = "vanilla"
+    GATED = "gated"
+    RNN = "rnn"
+
+
+SUPPORTED_MARKOV_HEADS: tuple[str, ...] = tuple(t.value for t in MarkovHeadType)
+
+# Sub-dicts that may carry the DSpark keys besides the top level (spec §1.1, §6.1).
+_SECTIONS = ("dspark_config", "dflash_config")
+_MISSING = object()
+_DEFAULT = "default"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Taps used when a config has none: ``round(1 + i*(n-4)/(L-1))``, or ``[n//2]`` if L = 1.
+
+    Same rule as SpecForge / z-lab ``build_target_layer_ids`` (spec §1.5): n = 36, L = 5 gives
+    ``(1, 9, 17, 25, 33)``. Python's ``round`` (half to even) as in the reference.
+    """
+    n, layers = num_target_layers, num_draft_layers
+    if layers == 1:
+        return (n // 2,)
+    return tuple(int(round(1 + i * (n - 4) / (layers - 1))) for i in range(layers))
+
+
+def _typed(value: Any, kind: type, where: str, source: str) -> Any:
+    """Check a config value's type; ``bool`` is not an ``int`` here."""
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if kind is list:
+        ok = isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        )
+    if not ok:
+        want = "a list of integers" if kind is list else kind.__name__
+        raise ConfigError(f"{source}: field '{where}' must be {want}, got {value!r}")
+    return value
+
+
+def _dspark_field(
+    cfg: Mapping, key: str, kind: type, source: str, default: Any = _MISSING
+) -> tuple[Any, str]:
+    """A DSpark key read from ``dspark_config``, ``dflash_config`` and the top level.
+
+    Returns ``(value, where)`` with ``where`` the field path (for messages) or "default".
+
+    Raises:
+        ConfigError: missing without a default, a section that is not an object, a wrong type,
+            or two locations that disagree (e.g. top-level vs ``dflash_config``).
+    """
+    hits: list[tuple[str, Any]] = []
+    for section in _SECTIONS:
+        sub = cfg.get(section)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{source}: '{section}' must be an object, got {sub!r}")
+        if sub.get(key) is not None:
+            hits.append((f"{section}.{key}", sub[key]))
+    if cfg.get(key) is not None:
+        hits.append((key, cfg[key]))
+    if not hits:
+        if default is _MISSING:
+            raise ConfigError(
+                f"{source}: required DSpark field '{key}' is missing; set it at the top level, "
+                "in 'dflash_config' or in 'dspark_config'"
+            )
+        return default, _DEFAULT
+    where, value = hits[0]
+    for other_where, other in hits[1:]:
+        if other != value:
+            raise ConfigError(
+                f"{source}: '{where}' = {value!r} disagrees with '{other_where}' = {other!r}; "
+                "keep one value"
+            )
+    return _typed(value, kind, where, source), where
+
+
+def _top(cfg: Mapping, key: str, kind: type, source: str, default: Any = _MISSING) -> Any:
+    """A top-level config value (geometry keys), type-checked."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ConfigError(f"{source}: required field '{key}' is missing")
+        return default
+    return _typed(value, kind, key, source)
+
+
+def _rope_dict_key(cfg: Mapping) -> str | None:
+    """Which key holds the rope dict: ``rope_parameters`` (v5) or ``rope_scaling`` (v4)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(cfg.get(key), dict) and cfg[key]:
+            return key
+    return None
+
+
+def _text_rope_config(cfg: Mapping) -> dict:
+    """``cfg`` without multimodal RoPE keys (DeepSpec configs copy them from a VL target).
+
+    With equal t/h/w positions (text), mrope equals the 1-D rope, so dropping
+    ``mrope_section`` / ``mrope_interleaved`` is exact for the draft (spec §6.1).
+    """
+    out = dict(cfg)
+    key = _rope_dict_key(cfg)
+    if key is not None and "mrope_section" in cfg[key]:
+        params = {
+            k: v for k, v in cfg[key].items() if k not in ("mrope_section", "mrope_interleaved")
+        }
+        if params.get("rope_type", params.get("type")) == "mrope":
+            params.pop("type", None)
+            params["rope_type"] = "default"
+        out[key] = params
+    return out
+
+
+def _declares_theta(cfg: Mapping) -> bool:
+    key = _rope_dict_key(cfg)
+    return "rope_theta" in cfg or (key is not None and "rope_theta" in cfg[key])
+
+
+def _draft_rope(cfg: Mapping, target: ModelConfig, source: str) -> RopeScaling:
+    """The draft's RoPE (spec §6.1, §7): its own scaling, else the target's; full head_dim.
+
+    * rope read from ``rope_parameters`` or ``rope_scaling`` (mrope keys dropped).
+    * no scaling in the draft (type ``default``) while the target scales (e.g. yarn): the
+      draft takes the target's scaling; ``rope_theta`` stays the draft's when it declares one.
+    * ``partial_rotary_factor`` is forced to 1: DeepSpec configs inherit it from the target,
+      but the draft rotates the full head_dim (spec §7).
+    """
+    own = RopeScaling.from_hf_config(_text_rope_config(cfg), source=source)
+    rope = own
+    if own.rope_type == "default" and target.rope.rope_type != "default":
+        theta = own.rope_theta if _declares_theta(cfg) else target.rope.rope_theta
+        rope = dataclasses.replace(target.rope, rope_theta=theta)
+        log.info(
+            "%s: draft has no rope scaling; using the target's %s scaling (%s)",
+            source,
+            target.rope.rope_type,
+            target.source,
+        )
+    if rope.partial_rotary_factor != 1.0:
+        log.info(
+            "%s: ignoring inherited partial_rotary_factor; DSpark rotates all of head_dim", source
+        )
+        rope = dataclasses.replace(rope, partial_rotary_factor=1.0)
+    return rope
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """A DSpark draft's config (HF key names), parsed by :meth:`from_dict`.
+
+    Attributes:
+        packaging: DeepSpec or SpecForge / RadixArk (spec §1.1).
+        block_size: rows per draft block, B (anchor + B-1 masks).
+        mask_token_id: id embedded at the block's mask rows.
+        target_layer_ids: taps, output-of-layer ids of the target (HF ``hidden_states[l+1]``,
+            spec §1.5); the fc input is their features concatenated in this order.
+        num_target_layers: the target's layer count the draft was trained for.
+        markov_rank: r, 0 = no Markov head.
+        markov_head_type: "vanilla" | "gated" | "rnn" (checked by :meth:`validate`).
+        enable_confidence_head, confidence_head_with_markov: spec §1.4.
+        hidden_size .. vocab_size: the draft backbone's geometry (see :meth:`with_tensor_geometry`).
+        rope: RoPE of the draft (see :func:`_draft_rope`); rotary dim = head_dim.
+        attention_mode: SpecForge "gqa" / "mha" or None.
+        layer_types: per-layer attention types when the config lists them.
+        fields_from: where each DSpark field was read ("dflash_config.mask_token_id", ...,
+            or "default"), used in messages.
+    """
+
+    packaging: DSparkPackaging
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    markov_rank: int
+    markov_head_type: str
+    enable_confidence_head: bool
+    confidence_head_with_markov: bool
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    vocab_size: int
+    rope: RopeScaling
+    attention_mode: str | None = None
+    layer_types: tuple[str, ...] = ()
+    source: str = "config.json"
+    fields_from: dict = field(default_factory=dict, repr=False, compare=False)
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_taps(self) -> int:
+        """n_t = len(target_layer_ids)."""
+        return len(self.target_layer_ids)
+
+    @property
+    def fc_in_features(self) -> int:
+        """Width of the concatenated target features, n_t * d (spec §1.2 ``fc.weight``)."""
+        return self.num_taps * self.hidden_size
+
+    @property
+    def head_type(self) -> MarkovHeadType | None:
+        """The Markov head variant, or None when markov_rank is 0."""
+        return MarkovHeadType(self.markov_head_type) if self.markov_rank > 0 else None
+
+    @property
+    def confidence_in_features(self) -> int:
+        """Width of the confidence head's input: d (+ r with the Markov input)."""
+        return self.hidden_size + (self.markov_rank if self.confidence_head_with_markov else 0)
+
+    def where(self, name: str) -> str:
+        """The config field path of DSpark field ``name`` (for messages)."""
+        found = self.fields_from.get(name, name)
+        return f"{name} (default)" if found == _DEFAULT else found
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(
+        cls, draft_cfg: Mapping[str, Any], target: ModelConfig, source: str = "config.json"
+    ) -> DSparkConfig:
+        """Parse a draft ``config.json`` of either packaging and validate it against ``target``.
+
+        DSpark keys are read from the top level, ``dflash_config`` and ``dspark_config`` (two
+        locations that disagree are an error); geometry keys from the top level. Defaults when
+        absent: ``num_target_layers`` = the target's, ``target_layer_ids`` by
+        :func:`default_target_layer_ids`, ``markov_rank`` 0, ``markov_head_type`` "vanilla"
+        (SpecForge's default), ``enable_confidence_head`` false, ``confidence_head_with_markov``
+        = (markov_rank > 0) (SpecForge's default, made consistent).
+
+        Raises:
+            ConfigError: unknown architecture (lists the supported ones), a ``projector_type``
+                other than "dspark", missing / mistyped fields, bad rope, or any
+                :meth:`validate` error.
+            PairingError: from :meth:`validate`.
+        """
+        arch = (draft_cfg.get("architectures") or [None])[0]
+        try:
+            packaging = DSparkPackaging(arch)
+        except ValueError:
+            supported = ", ".join(p.value for p in DSparkPackaging)
+            raise ConfigError(
+                f"{source}: architectures[0] is {arch!r}, not a DSpark draft; supported: "
+                f"{supported}"
+            ) from None
+        projector, _ = _dspark_field(draft_cfg, "projector_type", str, source, "dspark")
+        if projector != "dspark":
+            raise ConfigError(
+                f"{source}: projector_type is {projector!r}; a DSpark draft has 'dspark' "
+                "(a DFlash or other projector is not a DSpark checkpoint)"
+            )
+        hidden = _top(draft_cfg, "hidden_size", int, source)
+        heads = _top(draft_cfg, "num_attention_heads", int, source)
+        layers = _top(draft_cfg, "num_hidden_layers", int, source)
+        fields_from: dict[str, str] = {}
+
+        def dspark(key: str, kind: type, default: Any = _MISSING) -> Any:
+            value, where = _dspark_field(draft_cfg, key, kind, source, default)
+            fields_from[key] = where
+            return value
+
+        n_target = dspark("num_target_layers", int, target.num_hidden_layers)
+        taps = dspark("target_layer_ids", list, None)
+        if taps is None:
+            taps = list(default_target_layer_ids(n_target, layers))
+        rank = dspark("markov_rank", int, 0)
+        confidence = dspark("enable_confidence_head", bool, False)
+        # read only when the head is on: DeepSpec ignores it otherwise
+        with_markov = dspark("confidence_head_with_markov", bool, rank > 0) if confidence else False
+        layer_types = draft_cfg.get("layer_types") or ()
+        config = cls(
+            packaging=packaging,
+            block_size=dspark("block_size", int),
+            mask_token_id=dspark("mask_token_id", int),
+            target_layer_ids=tuple(taps),
+            num_target_layers=n_target,
+            markov_rank=rank,
+            markov_head_type=dspark("markov_head_type", str, "vanilla").lower(),
+            enable_confidence_head=confidence,
+            confidence_head_with_markov=with_markov,
+            hidden_size=hidden,
+            intermediate_size=_top(draft_cfg, "intermediate_size", int, source),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=_top(draft_cfg, "num_key_value_heads", int, source, heads),
+            head_dim=_top(draft_cfg, "head_dim", int, source, hidden // max(heads, 1)),
+            rms_norm_eps=_top(draft_cfg, "rms_norm_eps", float, source, 1e-6),
+            attention_bias=_top(draft_cfg, "attention_bias", bool, source, False),
+            vocab_size=_top(draft_cfg, "vocab_size", int, source),
+            rope=_draft_rope(draft_cfg, target, source),
+            attention_mode=dspark("attention_mode", str, None),
+            layer_types=tuple(layer_types),
+            source=source,
+            fields_from=fields_from,
+            raw=dict(draft_cfg),
+        )
+        config.validate(target)
+        return config
+
+    def with_tensor_geometry(self, shapes: Mapping[str, tuple[int, ...]]) -> DSparkConfig:
+        """Heads, KV heads, head_dim and intermediate size read from layer 0's tensors.
+
+        DeepSpec configs are copies of the target config, so these keys may describe the
+        target rather than the draft (spec §6.1). ``shapes`` maps canonical names (see
+        :func:`canonical_name`) to logical shapes; absent tensors leave the config value (the
+        loader reports them as missing). Hidden size, layer count, vocab and rank are not
+        derived: a mismatch there is a checkpoint error.
+        """
+        p = "layers.0"
+        q_norm = shapes.get(f"{p}.self_attn.q_norm.weight")
+        if q_norm is None or len(q_norm) != 1 or q_norm[0] <= 0:
+            return self
+        head_dim = q_norm[0]
+        updates: dict[str, int] = {"head_dim": head_dim}
+        for name, key in (("q_proj", "num_attention_heads"), ("k_proj", "num_key_value_heads")):
+            shape = shapes.get(f"{p}.self_attn.{name}.weight")
+            if shape is not None and len(shape) == 2 and shape[0] % head_dim == 0:
+                updates[key] = shape[0] // head_dim
+        gate = shapes.get(f"{p}.mlp.gate_proj.weight")
+        if gate is not None and len(gate) == 2:
+            updates["intermediate_size"] = gate[0]
+        changed = {k: v for k, v in updates.items() if getattr(self, k) != v}
+        if changed:
+            log.info("%s: draft geometry from tensor shapes: %s", self.source, changed)
+        return dataclasses.replace(self, **changed) if changed else self
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, target: ModelConfig, fc_in_features: int | None = None) -> None:
+        """Check the draft alone and against its target, before any expensive work.
+
+        Args:
+            target: the paired target's config.
+            fc_in_features: the stored ``fc.weight`` input width, when known (loader).
+
+        Raises:
+            ConfigError: bad geometry, block_size < 1, markov_rank < 0, an unsupported
+                markov_head_type (lists the supported ones), confidence_head_with_markov
+                without a Markov head, mask_token_id outside [0, vocab_size), empty /
+                unsorted / duplicate / negative target_layer_ids, an attention_mode that
+                contradicts the head counts, sliding-attention layers.
+            PairingError: target_layer_ids >= the target's layer count or equal to its last
+                layer, num_target_layers != the target's, hidden sizes differ, fc input width
+                != n_t * d.
+        """
+        self._validate_geometry()
+        self._validate_heads()
+        self._validate_taps(target)
+        s = self.source
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"{s}: field '{self.where('mask_token_id')}' = {self.mask_token_id} is outside "
+                f"[0, vocab_size={self.vocab_size}); set it to the draft's mask token id "
+                "(151669 for Qwen3, 248070 for Qwen3.6/3.8)"
+            )
+        if self.hidden_size != target.hidden_size:
+            raise PairingError(
+                f"{s}: draft hidden_size {self.hidden_size} != target hidden_size "
+                f"{target.hidden_size} ({target.source}); the draft was trained for another "
+                "target - pair it with its own target"
+            )
+        if fc_in_features is not None and fc_in_features != self.fc_in_features:
+            raise PairingError(
+                f"{s}: fc.weight takes {fc_in_features} inputs but len(target_layer_ids) * "
+                f"hidden_size = {self.num_taps} * {self.hidden_size} = {self.fc_in_features}; "
+                f"fix '{self.where('target_layer_ids')}' (one id per tapped target layer) or "
+                "pair the draft with its own target"
+            )
+
+    def _validate_geometry(self) -> None:
+        s = self.source
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"{s}: field '{name}' must be positive, got {getattr(self, name)}"
+                )
+        hq, hkv = self.num_attention_heads, self.num_key_value_heads
+        if hq <= 0 or hkv <= 0 or hq % hkv:
+            raise ConfigError(
+                f"{s}: num_attention_heads ({hq}) must be a positive multiple of "
+                f"num_key_value_heads ({hkv})"
+            )
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ConfigError(f"{s}: head_dim must be positive and even, got {self.head_dim}")
+        if self.block_size < 1:
+            raise ConfigError(
+                f"{s}: field '{self.where('block_size')}' must be >= 1, got {self.block_size}"
+            )
+        mode = self.attention_mode
+        if mode is not None and (mode not in ("gqa", "mha") or (mode == "mha") != (hq == hkv)):
+            raise ConfigError(
+                f"{s}: field '{self.where('attention_mode')}' = {mode!r} does not fit "
+                f"{hq} query / {hkv} KV heads ('gqa' needs fewer KV heads, 'mha' equal; "
+                "spec section 6.12)"
+            )
+        bad = [t for t in self.layer_types[: self.num_hidden_layers] if t != "full_attention"]
+        if bad:
+            raise ConfigError(
+                f"{s}: layer_types {list(self.layer_types[: self.num_hidden_layers])} contain "
+                f"{sorted(set(bad))}; DSpark drafts use full attention in every layer"
+            )
+
+    def _validate_heads(self) -> None:
+        s = self.source
+        if self.markov_rank < 0:
+            raise ConfigError(
+                f"{s}: field '{self.where('markov_rank')}' must be >= 0 (0 = no Markov head), "
+                f"got {self.markov_rank}"
+            )
+        if self.markov_rank > 0 and self.markov_head_type not in SUPPORTED_MARKOV_HEADS:
+            raise ConfigError(
+                f"{s}: field '{self.where('markov_head_type')}' = {self.markov_head_type!r} is "
+                f"not supported; supported: {', '.join(SUPPORTED_MARKOV_HEADS)}"
+            )
+        if self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ConfigError(
+                f"{s}: field '{self.where('confidence_head_with_markov')}' is true but there is "
+                f"no Markov head ('{self.where('markov_rank')}' = 0); set it to false or give "
+                "the draft a Markov head"
+            )
+
+    def _validate_taps(self, target: ModelConfig) -> None:
+        s, ids, field_ = self.source, list(self.target_layer_ids), self.where("target_layer_ids")
+        n = target.num_hidden_layers
+        if self.num_target_layers != n:
+            raise PairingError(
+                f"{s}: field '{self.where('num_target_layers')}' = {self.num_target_layers} but "
+                f"the target ({target.source}) has {n} layers; the draft was trained for "
+                "another target"
+            )
+        if not ids:
+            raise ConfigError(f"{s}: field '{field_}' is empty; list the tapped target layers")
+        if any(i < 0 for i in ids):
+            raise ConfigError(
+                f"{s}: field '{field_}' = {ids} has negative ids; -1 (embedding output, "
+                "accepted by DeepSpec) is not supported: the target engine exports layer "
+                "outputs 0..n-2 only (spec section 6.5)"
+            )
+        if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+            raise ConfigError(
+                f"{s}: field '{field_}' = {ids} must be strictly increasing (sorted, no "
+                "duplicates); features are concatenated in list order (spec section 1.5)"
+            )
+        if ids[-1] >= n:
+            raise PairingError(
+                f"{s}: field '{field_}' = {ids} has ids >= the target's {n} layers "
+                f"({target.source}); valid ids are 0..{n - 2}"
+            )
+        if ids[-1] == n - 1:
+            raise PairingError(
+                f"{s}: field '{field_}' = {ids} taps the target's final layer {n - 1}; "
+                "HF hidden_states[n] is taken after the final norm, so DeepSpec forbids that "
+                f"id (spec sections 1.5, 6.5). Valid ids are 0..{n - 2}; ids written for a "
+                "capture hook on the layer input (vLLM) must be converted (subtract 1) first"
+            )
+
+
+# ---------------------------------------------------------------------------- heads
+class DSparkMarkovHead(nn.Module):
+    """Low-rank previous-token logit bias (spec §1.3, [DS] ``markov_head.py``).
+
+    Notation: ``e = W1[prev]`` ``[B, r]`` (``markov_w1``, an Embedding ``[V, r]``), ``W2`` =
+    ``markov_w2.weight`` ``[V, r]`` (a Linear r -> V), ``h`` the post-final-norm draft hidden of
+    the row being decided.
+
+    * vanilla: ``bias = W2 e``
+    * gated: ``g = sigmoid(gate_proj([h; e]))`` (gate_proj ``[r, d+r]``), ``bias = W2 (g * e)``
+    * rnn: ``[a; c; o] = chunk3(joint_proj([s_prev; e; h]))`` (joint_proj ``[3r, 2r+d]``),
+      ``s = sigmoid(a) * s_prev + (1 - sigmoid(a)) * tanh(c)``, ``bias = W2 tanh(o)``; the state
+      starts at zero for row 0 and is carried from row to row within one proposal (spec §7).
+
+    The latent and the bias are computed in fp32 from the stored weights.
+    """
+
+    def __init__(self, head_type: MarkovHeadType, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__()
+        self.head_type, self.rank = head_type, rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        if head_type is MarkovHeadType.GATED:
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif head_type is MarkovHeadType.RNN:
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def prev_embedding(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """``W1[prev_ids]``: int ``[...]`` -> fp32 ``[..., r]``."""
+        return self.markov_w1(prev_ids.long()).float()
+
+    def latent(
+        self, prev_ids: torch.Tensor, h_k: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The vector ``u`` with ``bias = W2 u``, and the new rnn state.
+
+        Args:
+            prev_ids: int ``[B]``, the token before row k (anchor for k = 0).
+            h_k: ``[B, d]`` post-norm draft hidden of row k (unused by vanilla).
+            state: fp32 ``[B, r]`` rnn state after row k-1, or None (= zeros, row 0).
+
+        Returns:
+            ``(u fp32 [B, r], new_state)``; ``new_state`` is fp32 ``[B, r]`` for rnn, None else.
+        """
+        e = self.prev_embedding(prev_ids)
+        if self.head_type is MarkovHeadType.VANILLA:
+            return e, None
+        h = h_k.float()
+        if self.head_type is MarkovHeadType.GATED:
+            p = self.gate_proj
+            gate = torch.sigmoid(F.linear(torch.cat([h, e], -1), p.weight.float(), p.bias.float()))
+            return gate * e, None
+        s_prev = torch.zeros_like(e) if state is None else state.float()
+        p = self.joint_proj
+        joint = F.linear(torch.cat([s_prev, e, h], -1), p.weight.float(), p.bias.float())
+        a, c, o = joint.chunk(3, dim=-1)
+        keep = torch.sigmoid(a)
+        new_state = keep * s_prev + (1.0 - keep) * torch.tanh(c)
+        return torch.tanh(o), new_state
+
+    @torch.no_grad()
+    def step(
+        self, prev_ids: torch.Tensor, h_k: torch.Tensor, state: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Full-vocab bias of row k: ``(bias fp32 [B, V], new_state)``; args as :meth:`latent`.
+
+        The decoder adds ``bias`` to ``base_logits[:, k]``, samples ``x_k`` and passes
+        ``prev = x_k`` and ``new_state`` to row k+1 (spec §3 "Drafting").
+        """
+        u, new_state = self.latent(prev_ids, h_k, state)
+        return F.linear(u, self.markov_w2.weight.float()), new_state
+
+    @torch.no_grad()
+    def candidate_bias(
+        self,
+        prev_ids: torch.Tensor,
+        h_k: torch.Tensor,
+        state: torch.Tensor | None,
+        cand_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bias of row k on candidate tokens only (top-k walk, spec §3 "Top-k pruning").
+
+        Reads only the candidates' ``W2`` rows. The rnn state update depends on ``prev`` and
+        ``h_k``, not on the candidates, so ``new_state`` equals :meth:`step`'s.
+
+        Args:
+            cand_ids: int ``[B, K]`` candidate token ids; other args as :meth:`latent`.
+
+        Returns:
+            ``(bias fp32 [B, K], new_state)`` with ``bias[b, j] = step(...)[0][b, cand_ids[b, j]]``.
+        """
+        u, new_state = self.latent(prev_ids, h_k, state)
+        rows = self.markov_w2.weight[cand_ids.long()].float()  # [B, K, r]
+        return torch.einsum("bkr,br->bk", rows, u), new_state
+
+
+class DSparkConfidenceHead(nn.Module):
+    """Acceptance predictor ``proj`` ``[1, d(+r)]`` + bias ``[1]`` (spec §1.4)."""
+
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, 1)
+
+
+# ---------------------------------------------------------------------------- backbone
+class DSparkAttention(nn.Module):
+    """Dual-source attention of one draft layer (Qwen3 names: q/k/v/o_proj, q_norm, k_norm)."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.cfg = cfg
+        hq, hkv, hd, d = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+        )
+        self.q_proj = nn.Linear(d, hq * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, hkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, hkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(hq * hd, d, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def _attend(self, qkv, kv_cache, batch, rope_table, *, causal, write_kv, q_norm):
+        cfg = self.cfg
+        return paged_attention(
+            qkv,
+            kv_cache,
+            batch.page_table,
+            batch.past_lengths,
+            batch.input_lengths,
+            batch.positions,
+            rope_table,
+            q_norm,
+            self.k_norm.weight,
+            None,
+            num_q_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            rotary_dim=cfg.head_dim,
+            causal=causal,
+            write_kv=write_kv,
+            scale=cfg.head_dim**-0.5,
+            rms_norm_eps=cfg.rms_norm_eps,
+            page_size=kv_cache.shape[3],
+        )
+
+    def write_context(
+        self,
+        context: torch.Tensor,  # [B, M, d] C = hidden_norm(fc(F)), not input_layernorm'ed
+        kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D], written in place
+        batch: PagedBatch,  # the context rows: past = cached rows, positions absolute
+        rope_table: torch.Tensor,  # fp32 [max_position, head_dim]
+    ) -> None:
+        """Store K = rope(k_norm(k_proj(C))) and V = v_proj(C) of the context rows."""
+        q = context.new_zeros(*context.shape[:2], self.q_proj.out_features)  # queries unused
+        qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
+        self._attend(qkv, kv_cache, batch, rope_table, causal=True, write_kv=True, q_norm=None)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, Bs, d] input_layernorm'ed block rows
+        kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D], read only
+        batch: PagedBatch,  # the block rows: past = context rows, positions s..s+Bs-1
+        rope_table: torch.Tensor,  # fp32 [max_position, head_dim]
+    ) -> torch.Tensor:  # [B, Bs, d]
+        """Block rows attend to all cached context rows and all block rows (non-causal)."""
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        out = self._attend(
+            qkv,
+            kv_cache,
+            batch,
+            rope_table,
+            causal=False,
+            write_kv=False,
+            q_norm=self.q_norm.weight,
+        )
+        return self.o_proj(out)
+
+
+class DSparkMLP(nn.Module):
+    """SwiGLU MLP without biases: ``down(silu(gate(x)) * up(x))`` (Qwen3MLP names)."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        d, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DSparkDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 layer whose attention also reads the cached context K/V (spec §2.4)."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.self_attn = DSparkAttention(cfg)
+        self.mlp = DSparkMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, kv_cache, batch, rope_table):
+        """``[B, Bs, d]`` block rows -> ``[B, Bs, d]``; args as :meth:`DSparkAttention.forward`."""
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch, rope_table)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDraft(nn.Module):
+    """A DSpark draft over a paged KV cache (one pool per draft layer).
+
+    Parameters are named as the checkpoint without ``model.`` (spec §1.2): ``layers.{i}.*``,
+    ``fc``, ``hidden_norm``, ``norm``, ``markov_head.*``, ``confidence_head.proj``; plus
+    ``embed_tokens`` and ``lm_head`` filled from the resolved (draft or target) tensors.
+    ``markov_head`` / ``confidence_head`` are None when the config has none.
+
+    A proposal step (spec §2, §3): :meth:`context_update` with the new target features, then
+    :meth:`block_forward` on ``[anchor, mask x (B-1)]`` at positions ``s .. s+B-1`` where ``s`` is
+    the anchor's position (= the draft cache length after the update), :meth:`base_logits`,
+    and the left-to-right walk with ``markov_head.step`` / :meth:`confidence`. Row ``i``
+    predicts the token at ``s+i+1``.
+    """
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.config = cfg
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.fc_in_features, d, bias=False)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        head = cfg.head_type
+        self.markov_head = (
+            DSparkMarkovHead(head, cfg.vocab_size, cfg.markov_rank, d) if head else None
+        )
+        self.confidence_head = (
+            DSparkConfidenceHead(cfg.confidence_in_features) if cfg.enable_confidence_head else None
+        )
+        self._rope_table = torch.empty(0, 0)
+
+    # ------------------------------------------------------------------ running
+    def rope_table(self, max_position: int) -> torch.Tensor:
+        """fp32 ``[>= max_position, head_dim]`` cos|sin table, grown on demand (power of 2)."""
+        if self._rope_table.shape[0] < max_position:
+            n = max(1024, 1 << (max_position - 1).bit_length())
+            self._rope_table = rope_cos_sin_table(self.config.head_dim, n, self.config.rope)
+        return self._rope_table
+
+    def block_input_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """``[anchor, mask x (B-1)]``: int ``[batch]`` -> int64 ``[batch, block_size]``."""
+        cfg = self.config
+        ids = torch.full((anchor_ids.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long)
+        ids[:, 0] = anchor_ids.long()
+        return ids
+
+    def _check_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(
+                f"DSparkDraft: got {len(kv_caches)} KV pools for {len(self.layers)} draft layers"
+            )
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """``C = hidden_norm(fc(F))``: ``[B, M, n_t*d]`` -> ``[B, M, d]`` in the model dtype.
+
+        fc runs in fp32 whatever the model dtype: target features can exceed 2e4 (spec §2.7).
+        """
+        if features.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"DSparkDraft: features must be [B, M, n_t*d = {self.fc.in_features}] (taps "
+                f"{list(self.config.target_layer_ids)} concatenated), got {tuple(features.shape)}"
+            )
+        c = F.linear(features.float(), self.fc.weight.float())
+        return self.hidden_norm(c).to(self.fc.weight.dtype)
+
+    @torch.no_grad()
+    def context_update(
+        self,
+        features: torch.Tensor,  # [B, M, n_t*d] target taps of the new context rows
+        kv_caches: list[torch.Tensor],  # per draft layer [num_pages, 2, Hkv, page_size, D]
+        batch: PagedBatch,  # past = rows already cached, input_lengths = valid M, positions
+    ) -> None:
+        """Append the K/V of new context rows to every layer's cache (spec §2.2, §2.6, §7).
+
+        ``C = hidden_norm(fc(F))`` feeds every layer's k/v projections directly (no
+        ``input_layernorm``); K is stored after ``k_norm`` and RoPE at ``batch.positions``
+        (the rows' absolute positions), V as projected. Padding rows (``>= input_lengths``)
+        are not written. The caller advances ``past_lengths`` by ``input_lengths`` afterwards.
+
+        Raises:
+            ValueError: wrong feature width or number of KV pools; any error of
+                :func:`edgebuild.ops.attention.paged_attention`.
+        """
+        self._check_caches(kv_caches)
+        context = self.project_context(features)
+        table = self.rope_table(int(batch.positions.max()) + 1)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            layer.self_attn.write_context(context, cache, batch, table)
+
+    @torch.no_grad()
+    def block_forward(
+        self,
+        block_ids: torch.Tensor,  # int [B, Bs]: [anchor, mask x (Bs-1)]
+        kv_caches: list[torch.Tensor],  # per draft layer, holding the context rows
+        batch: PagedBatch,  # past = context rows, input_lengths = Bs, positions s..s+Bs-1
+    ) -> torch.Tensor:
+        """Run the block through the draft; returns ``h`` ``[B, Bs, d]`` after ``norm``.
+
+        Every block row sees all cached context rows and all block rows (non-causal); the
+        block's K/V are not written (spec §2.4-§2.6). ``h`` feeds :meth:`base_logits`, the
+        Markov head and the confidence head. The target's final norm is never used.
+        """
+        self._check_caches(kv_caches)
+        x = self.embed_tokens(block_ids.long())
+        table = self.rope_table(int(batch.positions.max()) + 1)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cache, batch, table)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``lm_head(h)``: ``[B, Bs, d]`` -> fp32 ``[B, Bs, V]`` (before the Markov bias)."""
+        return self.lm_head(h).float()
+
+    @torch.no_grad()
+    def confidence(self, h_k: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """Acceptance probability of row k (spec §1.4): fp32 ``[B]`` in (0, 1).
+
+        ``sigmoid(proj([h_k; W1[prev_k]]))`` with the Markov input, ``sigmoid(proj(h_k))``
+        without. ``h_k`` ``[B, d]`` post-norm hidden; ``prev_ids`` int ``[B]`` as for the
+        Markov head (anchor for row 0).
+
+        Raises:
+            ConfigError: the draft has no confidence head.
+        """
+        cfg = self.config
+        if self.confidence_head is None:
+            raise ConfigError(
+                f"{cfg.source}: this draft has no confidence head "
+                f"('{cfg.where('enable_confidence_head')}' is false)"
+            )
+        x = h_k.float()
+        if cfg.confidence_head_with_markov:
+            x = torch.cat([x, self.markov_head.prev_embedding(prev_ids)], dim=-1)
+        p = self.confidence_head.proj
+        return torch.sigmoid(F.linear(x, p.weight.float(), p.bias.float())).squeeze(-1)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_source(
+        cls,
+        source: WeightSource,
+        target_config: ModelConfig,
+        lm_head: torch.Tensor | QuantizedWeight,
+        embed_tokens: torch.Tensor | QuantizedWeight,
+        dtype: torch.dtype = torch.float32,
+        *,
+        lm_head_origin: str = "the resolved lm_head",
+        embed_origin: str = "the resolved embed_tokens",
+    ) -> DSparkDraft:
+        """Build the draft from its checkpoint plus the resolved head and embedding.
+
+        ``lm_head`` / ``embed_tokens`` ``[V, d]`` come from ``PairedSources`` (the draft's own
+        or the target's; NVFP4 / FP8 dequantized to ``dtype`` here). The draft's own
+        ``lm_head.*`` / ``embed_tokens.*`` tensors, if shipped, are ignored. Names are mapped
+        by :func:`canonical_name`; geometry comes from tensor shapes where configs inherit
+        target fields (:meth:`DSparkConfig.with_tensor_geometry`). ``*_origin`` name the
+        resolved tensors in messages (e.g. ``"<file>: lm_head.weight"``).
+
+        Raises:
+            ConfigError / PairingError: from :meth:`DSparkConfig.from_dict` / ``validate``
+                (fc width included).
+            CheckpointError: missing, unexpected, mis-shaped or non-float tensors, or two
+                names that map to the same parameter; messages name the file and tensor.
+            PairingError: ``lm_head`` / ``embed_tokens`` whose shape does not fit the draft.
+        """
+        cfg = DSparkConfig.from_dict(source.config, target_config, str(source.config_path))
+        names = _canonical_names(source)
+        shapes = {canon: _logical_shape(source, orig) for canon, orig in names.items()}
+        cfg = cfg.with_tensor_geometry(shapes)
+        fc_shape = shapes.get("fc.weight", ())
+        cfg.validate(target_config, fc_in_features=fc_shape[1] if len(fc_shape) == 2 else None)
+        expected = expected_shapes(cfg)
+        _check_tensors(source, cfg, names, shapes, expected)
+        _check_resolved(cfg, lm_head, lm_head_origin, "lm_head")
+        _check_resolved(cfg, embed_tokens, embed_origin, "embed_tokens")
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device="cpu").to(dtype)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for canon in expected:
+                params[canon].copy_(_load(source, names[canon], canon, dtype))
+            params["lm_head.weight"].copy_(dense(lm_head, dtype))
+            params["embed_tokens.weight"].copy_(dense(embed_tokens, dtype))
+        model._rope_table = torch.empty(0, 0)
+        model.eval()
+        return model
+
+
+# ---------------------------------------------------------------------------- names and shapes
+# Legacy SpecForge nesting (spec §1.2; SpecForge dflash.py normalize_draft_head_checkpoint_keys).
+_LEGACY_PREFIXES = (
+    ("logit_head.markov_head.", "markov_head."),
+    ("logit_head.confidence_head.", "confidence_head."),
+)
+# Resolved by the caller (PairedSources), never loaded from the draft by this module.
+_RESOLVED_PREFIXES = ("lm_head.", "embed_tokens.")
+
+
+def canonical_name(name: str) -> str:
+    """The parameter name of checkpoint tensor ``name``: the single name-mapping rule.
+
+    Drops one leading ``model.`` and maps the legacy ``logit_head.markov_head.`` /
+    ``logit_head.confidence_head.`` nesting to ``markov_head.`` / ``confidence_head.``
+    (spec §1.2). ``model.layers.0.fc`` -> ``layers.0.fc``; DeepSpec names are unchanged.
+    """
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    for old, new in _LEGACY_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _canonical_names(source: WeightSource) -> dict[str, str]:
+    """{canonical name: stored name}; raises CheckpointError when two names collide."""
+    out: dict[str, str] = {}
+    for name in source.names():
+        canon = canonical_name(name)
+        if canon in out:
+            raise CheckpointError(
+                f"{source.path}: tensors '{out[canon]}' and '{name}' are the same parameter "
+                f"'{canon}'; keep one of them"
+            )
+        out[canon] = name
+    return out
+
+
+def _logical_shape(source: WeightSource, name: str) -> tuple[int, ...]:
+    """Stored shape, with NVFP4's two codes per byte unpacked."""
+    info = source.info(name)
+    prefix = name.rpartition(".")[0]
+    if info.dtype == torch.uint8 and f"{prefix}.weight_scale" in source:
+        return (info.shape[0], info.shape[1] * 2)
+    return tuple(info.shape)
+
+
+def expected_shapes(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor names -> shapes a checkpoint of ``cfg`` must hold (spec §1.2).
+
+    Excludes ``embed_tokens`` and ``lm_head`` (resolved by the caller).
+    """
+    d, hq, hkv, hd, i = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    out: dict[str, tuple[int, ...]] = {}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"layers.{layer}"
+        linears = {
+            "self_attn.q_proj": (hq * hd, d),
+            "self_attn.k_proj": (hkv * hd, d),
+            "self_attn.v_proj": (hkv * hd, d),
+            "self_attn.o_proj": (d, hq * hd),
+            "mlp.gate_proj": (i, d),
+            "mlp.up_proj": (i, d),
+            "mlp.down_proj": (d, i),
+        }
+        for name, shape in linears.items():
+            out[f"{p}.{name}.weight"] = shape
+            if cfg.attention_bias and name.startswith("self_attn."):
+                out[f"{p}.{name}.bias"] = (shape[0],)
+        out[f"{p}.self_attn.q_norm.weight"] = (hd,)
+        out[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        out[f"{p}.input_layernorm.weight"] = (d,)
+        out[f"{p}.post_attention_layernorm.weight"] = (d,)
+    out["fc.weight"] = (d, cfg.fc_in_features)
+    out["hidden_norm.weight"] = (d,)
+    out["norm.weight"] = (d,)
+    r, v = cfg.markov_rank, cfg.vocab_size
+    if cfg.head_type is not None:
+        out["markov_head.markov_w1.weight"] = (v, r)
+        out["markov_head.markov_w2.weight"] = (v, r)
+        if cfg.head_type is MarkovHeadType.GATED:
+            out["markov_head.gate_proj.weight"] = (r, d + r)
+            out["markov_head.gate_proj.bias"] = (r,)
+        elif cfg.head_type is MarkovHeadType.RNN:
+            out["markov_head.joint_proj.weight"] = (3 * r, 2 * r + d)
+            out["markov_head.joint_proj.bias"] = (3 * r,)
+    if cfg.enable_confidence_head:
+        out["confidence_head.proj.weight"] = (1, cfg.confidence_in_features)
+        out["confidence_head.proj.bias"] = (1,)
+    return out
+
+
+_SHAPE_HINTS = {
+    "markov_head.": "markov_rank / markov_head_type",
+    "confidence_head.": "enable_confidence_head / confidence_head_with_markov / markov_rank",
+    "fc.": "target_layer_ids / hidden_size",
+}
+
+
+def _ignored(canon: str) -> bool:
+    return (
+        canon.startswith(_RESOLVED_PREFIXES)
+        or canon.endswith("rotary_emb.inv_freq")
+        or is_quant_aux_tensor(canon)
+    )
+
+
+def _check_tensors(
+    source: WeightSource,
+    cfg: DSparkConfig,
+    names: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+) -> None:
+    """Missing, unexpected, mis-shaped or non-float tensors -> CheckpointError (file + tensor)."""
+    where = str(source.path)
+    missing = [n for n in expected if n not in names]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(
+            f"{where}: missing tensors {missing[:5]}{more}; the checkpoint is incomplete or does "
+            f"not match {cfg.source} ({cfg.num_hidden_layers} layers, markov_rank "
+            f"{cfg.markov_rank} '{cfg.markov_head_type}', confidence head "
+            f"{cfg.enable_confidence_head})"
+        )
+    unexpected = [names[n] for n in names if n not in expected and not _ignored(n)]
+    if unexpected:
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise CheckpointError(
+            f"{where}: unexpected tensors {unexpected[:5]}{more} for {cfg.source} "
+            f"({cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank} "
+            f"'{cfg.markov_head_type}', confidence head {cfg.enable_confidence_head}); check "
+            "markov_head_type / enable_confidence_head, or that config.json belongs to these "
+            "weights (a vocabulary map 'd2t' is not supported)"
+        )
+    for canon, shape in expected.items():
+        info = source.info(names[canon])
+        hint = next((h for p, h in _SHAPE_HINTS.items() if canon.startswith(p)), "")
+        check_shape(names[canon], str(info.file), shapes[canon], shape, hint)
+        if not (info.dtype.is_floating_point or info.dtype == torch.uint8):
+            raise CheckpointError(
+                f"{info.file}: tensor '{names[canon]}' has dtype {info.dtype}, expected a "
+                "floating-point or packed NVFP4 (uint8) weight"
+            )
+
+
+def _check_resolved(
+    cfg: DSparkConfig,
+    value: torch.Tensor | QuantizedWeight,
+    origin: str,
+    role: str,
+) -> None:
+    """The resolved head / embedding must be ``[V, d]`` of the draft (PairingError otherwise)."""
+    shape = tuple(value.shape)
+    want = (cfg.vocab_size, cfg.hidden_size)
+    if shape != want:
+        raise PairingError(
+            f"{origin}: {role} has shape {list(shape)} but the draft ({cfg.source}) needs "
+            f"{list(want)} (vocab_size, hidden_size): the Markov bias and the block ids use the "
+            "draft's vocabulary; pair the draft with the target it was trained for"
+        )
+
+
+def _load(source: WeightSource, name: str, canon: str, dtype: torch.dtype) -> torch.Tensor:
+    """One parameter as a dense ``dtype`` tensor (quantized linears dequantized)."""
+    prefix, _, leaf = name.rpartition(".")
+    is_linear = leaf == "weight" and source.info(name).dtype in (torch.uint8, torch.float8_e4m3fn)
+    if is_linear and canon != "markov_head.markov_w1.weight":
+        return dense(source.linear(prefix), dtype)
+    return source.get(name).to(dtype)
