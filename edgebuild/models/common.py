@@ -6,7 +6,7 @@ KV pools in; models call :mod:`edgebuild.ops` for attention, RoPE and norms.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +30,94 @@ class PagedBatch:
     past_lengths: torch.Tensor
     input_lengths: torch.Tensor
     positions: torch.Tensor
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def plan(self, rows: int, page_size: int, causal: bool, write_kv: bool):
+        """The eager fast path's DensePlan for this step (built once, shared by all layers)."""
+        from edgebuild.ops.attention_fast import DensePlan
+
+        key = (rows, page_size, causal, write_kv)
+        if key not in self._plans:
+            self._plans[key] = DensePlan.build(
+                self.page_table,
+                self.past_lengths,
+                self.input_lengths,
+                rows,
+                page_size,
+                causal,
+                write_kv,
+            )
+        return self._plans[key]
+
+
+def attention(
+    qkv: torch.Tensor,  # [B, S, (Hq + 2*Hkv) * D]
+    kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D]
+    batch: PagedBatch,
+    rope_table: torch.Tensor,  # fp32 [max_position, rotary_dim]
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    causal: bool,
+    write_kv: bool,
+    sliding_window: int = 0,
+    scale: float,
+    rms_norm_eps: float = 1e-6,
+    want_output: bool = True,
+) -> torch.Tensor | None:
+    """Attention of the contract in :mod:`edgebuild.ops.attention`, run the fast way.
+
+    Under torch.export / compile the custom op `edgebuild::paged_attention` is emitted (it
+    becomes the plugin node); eagerly the vectorized DensePlan path runs (same results,
+    tested against the reference op). Returns [B, S, Hq * D] (None if not want_output).
+    """
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+        from edgebuild.ops.attention import paged_attention
+
+        return paged_attention(
+            qkv,
+            kv_cache,
+            batch.page_table,
+            batch.past_lengths,
+            batch.input_lengths,
+            batch.positions,
+            rope_table,
+            q_norm_weight,
+            k_norm_weight,
+            None,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rotary_dim=rope_table.shape[1],
+            causal=causal,
+            write_kv=write_kv,
+            sliding_window=sliding_window,
+            scale=scale,
+            rms_norm_eps=rms_norm_eps,
+            page_size=kv_cache.shape[3],
+        )
+    from edgebuild.ops.attention_fast import paged_attention_planned
+
+    plan = batch.plan(qkv.shape[1], kv_cache.shape[3], causal, write_kv)
+    return paged_attention_planned(
+        qkv,
+        kv_cache,
+        plan,
+        batch.positions,
+        rope_table,
+        q_norm_weight,
+        k_norm_weight,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        sliding_window=sliding_window,
+        scale=scale,
+        rms_norm_eps=rms_norm_eps,
+        want_output=want_output,
+    )
 
 
 class RMSNorm(nn.Module):

@@ -40,8 +40,7 @@ from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.quant import QuantizedWeight, is_quant_aux_tensor
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError, ConfigError, PairingError
-from edgebuild.models.common import PagedBatch, RMSNorm, check_shape, dense
-from edgebuild.ops.attention import paged_attention
+from edgebuild.models.common import PagedBatch, RMSNorm, attention, check_shape, dense
 from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
 
 log = logging.getLogger("edgebuild.models")
@@ -655,28 +654,23 @@ class DSparkAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def _attend(self, qkv, kv_cache, batch, rope_table, *, causal, write_kv, q_norm):
+    def _attend(self, qkv, kv_cache, batch, rope_table, *, causal, write_kv, q_norm, want=True):
         cfg = self.cfg
-        return paged_attention(
+        return attention(
             qkv,
             kv_cache,
-            batch.page_table,
-            batch.past_lengths,
-            batch.input_lengths,
-            batch.positions,
+            batch,
             rope_table,
             q_norm,
             self.k_norm.weight,
-            None,
             num_q_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
-            rotary_dim=cfg.head_dim,
             causal=causal,
             write_kv=write_kv,
             scale=cfg.head_dim**-0.5,
             rms_norm_eps=cfg.rms_norm_eps,
-            page_size=kv_cache.shape[3],
+            want_output=want,
         )
 
     def write_context(
@@ -689,7 +683,9 @@ class DSparkAttention(nn.Module):
         """Store K = rope(k_norm(k_proj(C))) and V = v_proj(C) of the context rows."""
         q = context.new_zeros(*context.shape[:2], self.q_proj.out_features)  # queries unused
         qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
-        self._attend(qkv, kv_cache, batch, rope_table, causal=True, write_kv=True, q_norm=None)
+        self._attend(
+            qkv, kv_cache, batch, rope_table, causal=True, write_kv=True, q_norm=None, want=False
+        )
 
     def forward(
         self,

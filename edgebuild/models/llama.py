@@ -1,8 +1,8 @@
 """One decoder for Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q_norm/k_norm) targets.
 
 Parameter names are the HF checkpoint names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
-Attention goes through the paged reference op :func:`edgebuild.ops.attention.paged_attention`
-(RoPE fused, GQA, sliding window), so the same module runs eagerly on the CPU and exports to
+Attention follows the paged contract of :mod:`edgebuild.ops.attention` (via
+:func:`edgebuild.models.common.attention`: the custom op under export, a vectorized path eagerly; RoPE fused, GQA, sliding window), so the same module runs eagerly on the CPU and exports to
 the attention plugin node. The model can return the hidden states of chosen layers: the output
 of layer l equals transformers' `hidden_states[l + 1]` (pre final norm), which is what DSpark /
 DFlash / EAGLE-3 drafts consume (spec/draft-checkpoint-formats.md section 1.5).
@@ -20,8 +20,7 @@ from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.quant import QuantizedWeight, quant_tensor_suffixes
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError
-from edgebuild.models.common import PagedBatch, RMSNorm, check_shape, dense
-from edgebuild.ops.attention import paged_attention
+from edgebuild.models.common import PagedBatch, RMSNorm, attention, check_shape, dense
 from edgebuild.ops.rope import rope_cos_sin_table
 
 log = logging.getLogger("edgebuild.models")
@@ -58,27 +57,21 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [B, S, d]
         cfg = self.cfg
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        out = paged_attention(
+        out = attention(
             qkv,
             kv_cache,
-            batch.page_table,
-            batch.past_lengths,
-            batch.input_lengths,
-            batch.positions,
+            batch,
             rope_table,
             self.q_norm.weight if cfg.qk_norm else None,
             self.k_norm.weight if cfg.qk_norm else None,
-            None,
             num_q_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
-            rotary_dim=self.rotary_dim,
             causal=True,
             write_kv=True,
             sliding_window=self.window,
             scale=cfg.head_dim**-0.5,
             rms_norm_eps=cfg.rms_norm_eps,
-            page_size=kv_cache.shape[3],
         )
         return self.o_proj(out)
 

@@ -1,0 +1,190 @@
+"""A vectorized CPU implementation of the paged attention contract (the eager fast path).
+
+Same contract and results as the reference op in :mod:`edgebuild.ops.attention` (tested
+against it), but planned once per model step and run as a few batched tensor ops per layer:
+
+1. :class:`DensePlan` turns the page table and lengths into flat gather/scatter indices and a
+   visibility mask ``[B, S, T]`` (computed once, shared by every layer of a step);
+2. :func:`paged_attention_planned` normalizes and rotates q/k, scatters the new K/V into the
+   pages, gathers each sequence's keys densely and runs ``scaled_dot_product_attention``.
+
+The reference op stays the golden model (and the export / plugin boundary); this module only
+exists because a Python loop per sequence and per layer is slow on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edgebuild.ops.norm import rms_norm
+from edgebuild.ops.rope import apply_rope
+
+
+@dataclass
+class DensePlan:
+    """Index and mask tensors for one step (one PagedBatch), shared by all layers.
+
+    Attributes:
+        write_b, write_i: long [N] batch / row index of each valid new row.
+        write_pages, write_offsets: long [N] where that row's K/V go in the pool.
+        read_pages, read_offsets: long [B, T] slot t of sequence b (padding points at 0/0).
+        key_slots: long [B, T] cache slot index of each key column (for sliding windows).
+        query_slots: long [B, S] cache slot of each new row.
+        base_mask: bool [B, S, T] visibility without a sliding window.
+        valid_rows: bool [B, S] rows < input_lengths.
+        write_kv: whether new rows are written and read back from the cache; when False the
+            key columns are [past slots (padded to P); new rows (S)].
+    """
+
+    write_b: Tensor
+    write_i: Tensor
+    write_pages: Tensor
+    write_offsets: Tensor
+    read_pages: Tensor
+    read_offsets: Tensor
+    key_slots: Tensor
+    query_slots: Tensor
+    base_mask: Tensor
+    valid_rows: Tensor
+    write_kv: bool
+    past_width: int
+    _window_masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        page_table: Tensor,  # int32 [B, max_pages]
+        past_lengths: Tensor,  # int32 [B]
+        input_lengths: Tensor,  # int32 [B]
+        rows: int,  # S
+        page_size: int,
+        causal: bool,
+        write_kv: bool,
+    ) -> DensePlan:
+        """Plan a step; raises ValueError when the page table cannot hold the rows."""
+        bsz = page_table.shape[0]
+        past = past_lengths.long()
+        length = input_lengths.long()
+        ar_s = torch.arange(rows)
+        valid = ar_s[None, :] < length[:, None]  # [B, S]
+        query_slots = past[:, None] + ar_s[None, :]  # [B, S]
+        cover = (past + length) if write_kv else past
+        capacity = page_table.shape[1] * page_size
+        if bsz and int(cover.max()) > capacity:
+            raise ValueError(
+                f"paged_attention: page_table covers {capacity} slots but a sequence needs "
+                f"{int(cover.max())}; allocate more pages for the sequence"
+            )
+        table = page_table.long()
+        wb, wi = valid.nonzero(as_tuple=True)
+        wslots = query_slots[wb, wi]
+        w_pages = table[wb, wslots // page_size]
+        w_off = wslots % page_size
+        width = int(cover.max()) if bsz else 0
+        ar_t = torch.arange(width)
+        in_range = ar_t[None, :] < cover[:, None]  # [B, T_past or T]
+        slots = torch.where(in_range, ar_t[None, :], 0)
+        r_pages = torch.gather(table, 1, slots // page_size) if width else slots
+        r_pages = torch.where(in_range, r_pages, 0)
+        r_off = slots % page_size
+        if write_kv:
+            key_slots = ar_t[None, :].expand(bsz, width)
+            if causal:
+                mask = key_slots[:, None, :] <= query_slots[:, :, None]
+            else:  # every new row sees all valid new rows
+                mask = ar_t[None, None, :] < (past + length)[:, None, None]
+            mask = mask & in_range[:, None, :]
+        else:
+            new_slots = query_slots
+            key_slots = torch.cat([ar_t[None, :].expand(bsz, width), new_slots], dim=1)
+            past_vis = in_range[:, None, :].expand(bsz, rows, width)
+            if causal:
+                new_vis = ar_s[None, None, :] <= ar_s[None, :, None]
+            else:
+                new_vis = torch.ones(1, rows, rows, dtype=torch.bool)
+            new_vis = new_vis & valid[:, None, :]
+            mask = torch.cat([past_vis, new_vis.expand(bsz, rows, rows)], dim=2)
+        mask = mask & valid[:, :, None]
+        return cls(
+            wb, wi, w_pages, w_off, r_pages, r_off, key_slots, query_slots, mask, valid,
+            write_kv, width,
+        )  # fmt: skip
+
+    def mask_for(self, sliding_window: int) -> Tensor:
+        """bool [B, S, T] with the sliding-window rule q - t < w applied (memoized)."""
+        if sliding_window <= 0:
+            return self.base_mask
+        m = self._window_masks.get(sliding_window)
+        if m is None:
+            near = (self.query_slots[:, :, None] - self.key_slots[:, None, :]) < sliding_window
+            m = self.base_mask & near
+            self._window_masks[sliding_window] = m
+        return m
+
+
+def paged_attention_planned(
+    qkv: Tensor,  # [B, S, (Hq + 2*Hkv) * D]
+    kv_cache: Tensor,  # [num_pages, 2, Hkv, page_size, D], updated in place when write_kv
+    plan: DensePlan,
+    positions: Tensor,  # int [B, S]
+    rope_cos_sin: Tensor,  # fp32 [max_position, rotary_dim]
+    q_norm_weight: Tensor | None,
+    k_norm_weight: Tensor | None,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_window: int = 0,
+    scale: float,
+    rms_norm_eps: float = 1e-6,
+    want_output: bool = True,
+) -> Tensor | None:
+    """The attention contract, vectorized over the batch (see module docstring).
+
+    Returns attn_out [B, S, Hq * D] in qkv.dtype (padding rows zero), or None when
+    `want_output` is False (a draft context update only writes the cache).
+    """
+    bsz, rows, _ = qkv.shape
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    heads = qkv.view(bsz, rows, hq + 2 * hkv, d)
+    k = heads[:, :, hq : hq + hkv]
+    v = heads[:, :, hq + hkv :]
+    if k_norm_weight is not None:
+        k = rms_norm(k, k_norm_weight, rms_norm_eps).to(qkv.dtype)
+    if rope_cos_sin.shape[1]:
+        k = apply_rope(k, positions, rope_cos_sin)
+    k = k.to(kv_cache.dtype)
+    v = v.to(kv_cache.dtype)
+    if plan.write_kv and plan.write_b.numel():
+        kv_cache[plan.write_pages, 0, :, plan.write_offsets, :] = k[plan.write_b, plan.write_i]
+        kv_cache[plan.write_pages, 1, :, plan.write_offsets, :] = v[plan.write_b, plan.write_i]
+    if not want_output:
+        return None
+    q = heads[:, :, :hq]
+    if q_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, rms_norm_eps).to(qkv.dtype)
+    if rope_cos_sin.shape[1]:
+        q = apply_rope(q, positions, rope_cos_sin)
+    keys = kv_cache[plan.read_pages, 0, :, plan.read_offsets, :]  # [B, T, Hkv, D]
+    values = kv_cache[plan.read_pages, 1, :, plan.read_offsets, :]
+    if not plan.write_kv:
+        keys = torch.cat([keys, k], dim=1)
+        values = torch.cat([values, v], dim=1)
+    mask = plan.mask_for(sliding_window)  # [B, S, T]
+    seen = mask.any(-1)  # rows that see nothing (padding): give them one key, zero them after
+    safe = mask | ~seen[:, :, None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2),  # [B, Hq, S, D]
+        keys.float().transpose(1, 2),  # [B, Hkv, T, D]
+        values.float().transpose(1, 2),
+        attn_mask=safe[:, None],
+        scale=scale,
+        enable_gqa=hq != hkv,
+    )  # [B, Hq, S, D]
+    out = out.transpose(1, 2).reshape(bsz, rows, hq * d)
+    out = out.masked_fill(~seen[:, :, None], 0.0)
+    return out.to(qkv.dtype)

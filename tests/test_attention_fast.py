@@ -1,0 +1,88 @@
+"""The vectorized eager path equals the golden reference op in every phase (outputs + cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgebuild.ops.attention import paged_attention
+from edgebuild.ops.attention_fast import DensePlan, paged_attention_planned
+from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
+
+D, PAGE = 16, 4
+
+
+def setup(past, lengths, hq, hkv, seed=0, num_pages=64):
+    g = torch.Generator().manual_seed(seed)
+    bsz, rows = len(past), max(max(lengths), 1)
+    perm = torch.randperm(num_pages, generator=g)
+    need = [-(-(p + n) // PAGE) for p, n in zip(past, lengths, strict=True)]
+    table = torch.zeros(bsz, max(need), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    cache = torch.randn(num_pages, 2, hkv, PAGE, D, generator=g)
+    qkv = torch.randn(bsz, rows, (hq + 2 * hkv) * D, generator=g)
+    positions = torch.tensor(past, dtype=torch.int32)[:, None] + torch.arange(
+        rows, dtype=torch.int32
+    )
+    return qkv, cache, table, positions
+
+
+@pytest.mark.parametrize(
+    "past,lengths,causal,write_kv,window,hq,hkv,qk_norm",
+    [
+        ([0], [9], True, True, 0, 4, 2, False),  # prefill
+        ([0, 0, 0], [5, 9, 1], True, True, 0, 4, 2, True),  # batched prefill, unequal
+        ([7, 12], [3, 5], True, True, 0, 4, 4, False),  # chunked prefill
+        ([13, 4, 9], [1, 1, 1], True, True, 0, 4, 1, True),  # decode
+        ([10, 3], [8, 6], True, True, 0, 4, 2, False),  # verify
+        ([11, 6], [7, 7], False, False, 0, 4, 2, True),  # non-causal draft block
+        ([5, 0], [4, 6], True, True, 0, 4, 2, True),  # draft context update
+        ([20, 9], [4, 2], True, True, 6, 4, 2, False),  # sliding window
+        ([3, 8], [0, 2], True, True, 0, 4, 2, False),  # an idle sequence
+    ],
+)
+def test_planned_attention_equals_reference(
+    past, lengths, causal, write_kv, window, hq, hkv, qk_norm
+):
+    qkv, cache, table, positions = setup(past, lengths, hq, hkv)
+    rope = RopeScaling(
+        rope_type="yarn", rope_theta=1e4, factor=2.0, original_max_position_embeddings=32
+    )
+    table_cs = rope_cos_sin_table(D, 128, rope)
+    g = torch.Generator().manual_seed(1)
+    qn = 1 + 0.1 * torch.randn(D, generator=g) if qk_norm else None
+    kn = 1 + 0.1 * torch.randn(D, generator=g) if qk_norm else None
+    past_t = torch.tensor(past, dtype=torch.int32)
+    len_t = torch.tensor(lengths, dtype=torch.int32)
+    ref_cache = cache.clone()
+    ref = paged_attention(
+        qkv, ref_cache, table, past_t, len_t, positions, table_cs, qn, kn, None,
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, rotary_dim=D, causal=causal,
+        write_kv=write_kv, sliding_window=window, scale=D**-0.5, page_size=PAGE,
+    )  # fmt: skip
+    plan = DensePlan.build(table, past_t, len_t, qkv.shape[1], PAGE, causal, write_kv)
+    fast_cache = cache.clone()
+    out = paged_attention_planned(
+        qkv, fast_cache, plan, positions, table_cs, qn, kn, num_q_heads=hq,
+        num_kv_heads=hkv, head_dim=D, sliding_window=window, scale=D**-0.5,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_cache, ref_cache, atol=1e-6, rtol=0)
+    if not write_kv:
+        assert torch.equal(fast_cache, cache)
+
+
+def test_plan_refuses_a_page_table_that_is_too_small():
+    with pytest.raises(ValueError, match="allocate more pages"):
+        DensePlan.build(
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32),
+            torch.tensor([4], dtype=torch.int32),
+            4,
+            PAGE,
+            True,
+            True,
+        )
