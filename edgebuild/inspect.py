@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from edgebuild.checkpoint.config import text_config_view
 from edgebuild.checkpoint.source import TARGET, WeightSource
 
 
@@ -18,7 +19,7 @@ def _fmt_bytes(n: int) -> str:
 
 def summarize(source: WeightSource) -> dict:
     """Architecture, dtypes, quant format, tensor count and bytes of one checkpoint."""
-    cfg = source.config
+    cfg = text_config_view(source.config)  # a VLM's language model may sit in text_config
     dtypes = Counter(str(source.info(n).dtype).replace("torch.", "") for n in source.names())
     return {
         "path": str(source.path),
@@ -34,17 +35,47 @@ def summarize(source: WeightSource) -> dict:
     }
 
 
+# Draft packagings: checked against their target (`--draft`), not as a standalone decoder.
+_DRAFT_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
+
+
+def check_decoder(source: WeightSource) -> None:
+    """Refuse a decoder checkpoint that could not be loaded: config, tensor names, shapes,
+    dtypes and quantization scales (the checks `LlamaForCausalLM.from_source` runs first).
+
+    Draft packagings are skipped (they are validated against their target with `--draft`).
+
+    Raises:
+        ConfigError / CheckpointError / QuantFormatError: naming the file and the problem.
+    """
+    archs = source.config.get("architectures")
+    if isinstance(archs, list) and archs and archs[0] in _DRAFT_ARCHITECTURES:
+        return
+    from edgebuild.checkpoint.config import ModelConfig
+    from edgebuild.models.llama import check_tensors, expected_shapes
+
+    cfg = ModelConfig.from_dict(source.config, source=str(source.config_path))
+    check_tensors(source, cfg, expected_shapes(cfg))
+
+
 def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
     """Report for `edgebuild inspect`; with `draft`, which draft tensors come from the target.
 
+    The checkpoint (the target, with `draft`) is checked as `LlamaForCausalLM.from_source`
+    would check it (:func:`check_decoder`), so a broken checkpoint fails here, not at build.
+
     Raises:
-        CheckpointError / PairingError: unreadable checkpoints or a draft that does not fit.
+        CheckpointError / ConfigError / PairingError: unreadable or inconsistent checkpoints,
+            or a draft that does not fit.
     """
     if draft is None:
-        return summarize(WeightSource(ckpt))
+        source = WeightSource(ckpt)
+        check_decoder(source)
+        return summarize(source)
     from edgebuild.checkpoint.pairing import PairedSources
 
     pair = PairedSources(WeightSource(draft), WeightSource(ckpt, TARGET))
+    check_decoder(pair.target)
     pair.validate()
     head, embed = pair.lm_head(), pair.embed_tokens()
     return {

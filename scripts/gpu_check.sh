@@ -9,7 +9,10 @@
 #      against the Python reference op by tests/test_plugin_host.py) on every phase, dtype and
 #      both attention kernels, then kernel timings (PASS/FAIL/TIME lines);
 #   3. if the Python `tensorrt` module imports: engine-build placeholders that call the
-#      edgebuild CLI when it offers them, SKIP lines with the reason otherwise.
+#      edgebuild CLI when it offers them, SKIP lines with the reason otherwise;
+#   4. the TensorRT runtime backend (scripts/gpu_check_engines.py, ~8 min): engines built for
+#      this GPU vs the torch backend on the SmolLM2 pair (greedy output, DSpark acceptance,
+#      CUDA graphs on/off), decode tokens/s with and without DSpark; NVFP4 on SM >= 100.
 # Everything is logged to ${OUT:-/tmp}/gpu_check.log. Finishes well within 10 minutes on one
 # H200 (each step has its own timeout). Exit 0 iff nothing FAILed.
 set -euo pipefail
@@ -140,6 +143,21 @@ if python3 -c "import tensorrt" >/dev/null 2>&1; then
     fi
 else
     skip "TensorRT engine builds: python module tensorrt is not importable"
+fi
+
+section "TensorRT runtime backend: engines vs torch"
+if ! python3 -c "import tensorrt" >/dev/null 2>&1; then
+    skip "TensorRT backend: python module tensorrt is not importable"
+elif [[ ! -f "$BUILD/libedgebuild_plugins.so" ]]; then
+    skip "TensorRT backend: the TensorRT plugin library was not built (no NvInfer.h)"
+else
+    start=$SECONDS
+    if PYTHONUNBUFFERED=1 timeout 540 python3 "$ROOT/scripts/gpu_check_engines.py" \
+        --plugin-library "$BUILD/libedgebuild_plugins.so" --work-dir "$BUILD/engines"; then
+        echo "PASS gpu_check_engines ($((SECONDS - start)) s)"
+    else
+        fail "gpu_check_engines (exit $?, $((SECONDS - start)) s): see FAIL lines above"
+    fi
 fi
 
 section "summary"

@@ -29,6 +29,8 @@ def make_random_draft(
 ) -> Path:
     """A random-weight DSpark draft for the target at `target_dir` (fp32 safetensors)."""
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    if isinstance(tcfg.get("text_config"), dict):  # a VLM target: its language model's fields
+        tcfg = {**tcfg, **tcfg["text_config"]}
     d, v = tcfg["hidden_size"], tcfg["vocab_size"]
     n_target = tcfg["num_hidden_layers"]
     heads = tcfg["num_attention_heads"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from edgebuild.errors import CheckpointError, ConfigError
+from edgebuild.ops.mrope import check_mrope_section, parse_mrope
 from edgebuild.ops.rope import RopeScaling
 
 
@@ -32,13 +33,31 @@ _ARCHITECTURES: dict[str, Family] = {
     "MistralForCausalLM": Family.LLAMA,
     "Qwen2ForCausalLM": Family.QWEN2,
     "Qwen3ForCausalLM": Family.QWEN3,
+    "Qwen2_5_VLForConditionalGeneration": Family.QWEN2,  # language model; visual.* in vision.py
 }
 _MODEL_TYPES: dict[str, Family] = {
     "llama": Family.LLAMA,
     "mistral": Family.LLAMA,
     "qwen2": Family.QWEN2,
     "qwen3": Family.QWEN3,
+    "qwen2_5_vl": Family.QWEN2,
 }
+# Vision-language checkpoints: text fields may sit under `text_config`, RoPE is multimodal
+# (mrope_section) and `vision_config` describes the `visual.*` tower (edgebuild.models.vision).
+_MULTIMODAL: frozenset[str] = frozenset({"Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"})
+
+
+def text_config_view(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language-model fields of a config: a nested `text_config` merged over the top level.
+
+    Hub VLM configs are flat (returned as is); transformers 5 writes `text_config` (its keys win;
+    top-level keys such as `architectures` and `tie_word_embeddings` are kept).
+    """
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    return {**top, **text}
 
 
 def read_json(path: Path, what: str = "config") -> dict[str, Any]:
@@ -67,9 +86,19 @@ def _get(cfg: dict, key: str, source: str, kind: type | tuple, default: Any = ..
     if value is None and default is None:
         return None
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(
-            f"{source}: field '{key}' must be {getattr(kind, '__name__', kind)}, got {value!r}"
-        )
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        names = " or ".join(getattr(k, "__name__", str(k)) for k in kinds)
+        raise ConfigError(f"{source}: field '{key}' must be {names}, got {value!r}")
+    return value
+
+
+def _flag(cfg: dict, key: str, source: str) -> bool:
+    """A boolean field (absent or null = False); a string such as "false" is an error."""
+    value = cfg.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: field '{key}' must be true or false, got {value!r}")
     return value
 
 
@@ -105,6 +134,8 @@ class ModelConfig:
     torch_dtype: str | None
     source: str = "config.json"
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    mrope_section: tuple[int, ...] | None = None  # multimodal RoPE (t, h, w) widths
+    vision_config: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -115,23 +146,46 @@ class ModelConfig:
                 mistyped field, an unknown rope type, or inconsistent geometry.
         """
         arch_list = cfg.get("architectures") or []
-        arch = arch_list[0] if arch_list else ""
-        family = _ARCHITECTURES.get(arch) or _MODEL_TYPES.get(cfg.get("model_type", ""))
+        if isinstance(arch_list, str):
+            arch_list = [arch_list]
+        arch = arch_list[0] if isinstance(arch_list, list) and arch_list else ""
+        arch = arch if isinstance(arch, str) else ""
+        model_type = cfg.get("model_type")
+        model_type = model_type if isinstance(model_type, str) else ""
+        family = _ARCHITECTURES.get(arch) or _MODEL_TYPES.get(model_type)
         if family is None:
             raise ConfigError(
-                f"{source}: unsupported architecture {arch or cfg.get('model_type')!r}; "
+                f"{source}: unsupported architecture "
+                f"{arch or cfg.get('architectures') or cfg.get('model_type')!r}; "
                 f"supported: {', '.join(sorted(_ARCHITECTURES))}"
             )
-        # Multimodal configs keep the LLM under text_config; drafts read only top-level.
+        # Multimodal configs may keep the LLM under text_config; drafts read only top-level.
+        full = cfg
+        multimodal = (arch or model_type) in _MULTIMODAL
+        if multimodal:
+            if not isinstance(full.get("vision_config"), dict):
+                raise ConfigError(
+                    f"{source}: a {arch or model_type} config needs a 'vision_config' object"
+                )
+            cfg = text_config_view(cfg)
+            rope, mrope_section = parse_mrope(cfg, source)
+        else:
+            rope, mrope_section = RopeScaling.from_hf_config(cfg, source=source), None
         hidden = _get(cfg, "hidden_size", source, int)
         heads = _get(cfg, "num_attention_heads", source, int)
         kv_heads = _get(cfg, "num_key_value_heads", source, int, heads) or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
+        head_dim = _get(cfg, "head_dim", source, int, None) or hidden // max(heads, 1)
         n_layers = _get(cfg, "num_hidden_layers", source, int)
-        window = cfg.get("sliding_window")
-        if family is not Family.LLAMA and not cfg.get("use_sliding_window", False):
-            window = None
+        window = None
+        if family is Family.LLAMA or cfg.get("use_sliding_window", False):
+            window = _get(cfg, "sliding_window", source, int, None)
         layer_types = cfg.get("layer_types")
+        if layer_types is not None and (
+            not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+        ):
+            raise ConfigError(
+                f"{source}: 'layer_types' must be a list of strings, got {layer_types!r}"
+            )
         if layer_types is None:
             max_window_layers = cfg.get("max_window_layers", n_layers)
             layer_types = [
@@ -152,10 +206,10 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rope=RopeScaling.from_hf_config(cfg, source=source),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(_get(cfg, "rms_norm_eps", source, (int, float), 1e-6)),
+            max_position_embeddings=_get(cfg, "max_position_embeddings", source, int, 2048),
+            rope=rope,
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", source),
             attention_bias=family is Family.QWEN2 or bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family is Family.QWEN3,
@@ -165,7 +219,9 @@ class ModelConfig:
             eos_token_id=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             source=source,
-            raw=dict(cfg),
+            raw=dict(full),
+            mrope_section=mrope_section,
+            vision_config=dict(full["vision_config"]) if multimodal else None,
         )
         config.validate()
         return config
@@ -201,6 +257,8 @@ class ModelConfig:
             raise ConfigError(f"{s}: sliding_attention layers need a positive 'sliding_window'")
         if self.head_dim % 2:
             raise ConfigError(f"{s}: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mrope_section is not None:
+            check_mrope_section(self.mrope_section, self.rope.rotary_dim(self.head_dim), s)
 
     def window_for_layer(self, layer: int) -> int:
         """Sliding window of `layer` in tokens, 0 for full attention."""

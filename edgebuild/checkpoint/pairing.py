@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from edgebuild.checkpoint.config import text_config_view
 from edgebuild.checkpoint.quant import QuantizedWeight
 from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
 from edgebuild.errors import PairingError
@@ -75,9 +76,16 @@ def target_vocab_limit(target_dir: Path) -> int | None:
         tok = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    ids = list((tok.get("model") or {}).get("vocab", {}).values() or [0])
-    ids += [t.get("id", 0) for t in tok.get("added_tokens", [])]
-    return max(ids) + 1
+    if not isinstance(tok, dict):
+        return None
+    vocab = (tok.get("model") or {}).get("vocab") or {}
+    # BPE / WordPiece: {token: id}; Unigram (SentencePiece): [[piece, score], ...] in id order
+    ids = [i for i in vocab.values() if isinstance(i, int)] if isinstance(vocab, dict) else []
+    if isinstance(vocab, list):
+        ids.append(len(vocab) - 1)
+    ids += [t.get("id") for t in tok.get("added_tokens") or [] if isinstance(t, dict)]
+    ids = [i for i in ids if isinstance(i, int)]
+    return max(ids) + 1 if ids else None
 
 
 class PairedSources:
@@ -147,7 +155,7 @@ class PairedSources:
         Raises:
             PairingError: naming both config files and the fix.
         """
-        dc, tc = self.draft.config, self.target.config
+        dc, tc = self.draft.config, text_config_view(self.target.config)  # VLM: text_config
         dpath, tpath = self.draft.config_path, self.target.config_path
         d_hidden, t_hidden = dc.get("hidden_size"), tc.get("hidden_size")
         if d_hidden != t_hidden:
@@ -158,7 +166,8 @@ class PairedSources:
         d_vocab, t_vocab = dc.get("vocab_size"), tc.get("vocab_size")
         if d_vocab != t_vocab:
             real = target_vocab_limit(self.target.path)
-            if real is None or min(d_vocab, t_vocab) < real:
+            sizes_known = isinstance(d_vocab, int) and isinstance(t_vocab, int)
+            if real is None or not sizes_known or min(d_vocab, t_vocab) < real:
                 raise PairingError(
                     f"draft vocab_size {d_vocab} ({dpath}) != target vocab_size {t_vocab} "
                     f"({tpath}) and the difference is not padding (target tokenizer has "

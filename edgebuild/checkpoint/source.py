@@ -99,11 +99,23 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
     header.pop("__metadata__", None)
     data_size = size - 8 - n
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         try:
             dtype_tag, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}'") from None
+        if not (
+            isinstance(dtype_tag, str)
+            and isinstance(shape, list)
+            and all(_is_count(d) for d in shape)
+            and _is_count(start)
+            and _is_count(end)
+        ):
+            raise CheckpointError(
+                f"{path}: corrupt header entry for tensor '{name}' (dtype {dtype_tag!r}, shape "
+                f"{shape!r}, data_offsets {[start, end]!r}); the file is corrupt"
+            )
         if dtype_tag not in _ST_DTYPES:
             raise CheckpointError(
                 f"{path}: tensor '{name}' has unsupported dtype {dtype_tag}; "
@@ -122,7 +134,31 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
                 f"{path}: tensor '{name}' ends at byte {end} but the file holds {data_size} "
                 "data bytes: the file is truncated — re-download or re-export it"
             )
+        spans.append((start, end, name))
+    prev_end, prev_name = 0, None
+    for start, end, name in sorted(spans):
+        if start != prev_end:
+            after = f"'{prev_name}' ends" if prev_name else "the data starts"
+            raise CheckpointError(
+                f"{path}: tensor '{name}' starts at byte {start} but {after} at byte {prev_end} "
+                "(overlapping or non-contiguous data offsets); the file is corrupt"
+            )
+        prev_end, prev_name = end, name
     return header
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _torch_load_reason(exc: Exception) -> str:
+    """The useful part of a torch.load failure (not its advice to set weights_only=False)."""
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1].split("Check the documentation", 1)[0]
+    text = " ".join(text.split())
+    return text[:300] or type(exc).__name__
 
 
 class WeightSource:
@@ -167,7 +203,7 @@ class WeightSource:
         elif (self.path / "pytorch_model.bin").is_file():
             self._add_bin(self.path / "pytorch_model.bin")
         else:
-            loose = sorted(self.path.glob("*.safetensors"))
+            loose = sorted(f for f in self.path.glob("*.safetensors") if f.is_file())
             if not loose:
                 raise CheckpointError(
                     f"{self.path}: no weights found (expected model.safetensors, "
@@ -181,6 +217,12 @@ class WeightSource:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: missing or empty 'weight_map'")
+        bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise CheckpointError(
+                f"{index_path}: 'weight_map' maps tensor '{bad}' to {weight_map[bad]!r}, "
+                "not a shard file name; the index is corrupt"
+            )
         shards = sorted(set(weight_map.values()))
         for shard in shards:
             shard_path = self.path / shard
@@ -220,8 +262,9 @@ class WeightSource:
                 state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
             raise CheckpointError(
-                f"{file}: cannot load PyTorch checkpoint with weights_only=True ({exc}); "
-                "convert it to safetensors or re-download it"
+                f"{file}: cannot load PyTorch checkpoint with weights_only=True "
+                f"({_torch_load_reason(exc)}); the file is corrupt or holds more than tensors "
+                "- convert it to safetensors or re-download it"
             ) from None
         if not isinstance(state, dict):
             raise CheckpointError(f"{file}: expected a state dict, got {type(state).__name__}")

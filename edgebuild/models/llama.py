@@ -21,6 +21,8 @@ from edgebuild.checkpoint.quant import QuantizedWeight, quant_tensor_suffixes
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError
 from edgebuild.models.common import PagedBatch, RMSNorm, attention, check_shape, dense
+from edgebuild.models.vision import VISION_PREFIX
+from edgebuild.ops.mrope import mrope_cos_sin_rows
 from edgebuild.ops.rope import rope_cos_sin_table
 
 log = logging.getLogger("edgebuild.models")
@@ -151,15 +153,24 @@ class LlamaForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [B, S, d] (multimodal prefill)
         logits_rows: torch.Tensor | None = None,  # int64 [B, R] row indices into S; None = all
         tap_layers: tuple[int, ...] = (),
+        mrope_positions: torch.Tensor | None = None,  # int [3, B, S] (t, h, w); mrope models
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run new rows through the decoder, appending their K/V to the cache.
+
+        RoPE positions are `batch.positions` (1-D; for a multimodal-RoPE model that is the
+        text case, t = h = w), or `mrope_positions` for a multimodal prefill: then the 3-axis
+        cos/sin rows are built here and the attention reads them as a per-row table
+        (positions = row index b * S + i; see :mod:`edgebuild.ops.mrope`).
 
         Returns:
             logits: fp32 [B, R, vocab] (R = S when `logits_rows` is None).
             taps: [B, S, len(tap_layers) * d] concatenated layer outputs, or None.
         """
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        table = self.rope_table(int(batch.positions.max()) + 1)
+        if mrope_positions is not None:
+            batch, table = self._mrope_rows(batch, mrope_positions)
+        else:
+            table = self.rope_table(int(batch.positions.max()) + 1)
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layers)
         if -1 in wanted:
@@ -174,6 +185,31 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x)).float()
         tap = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         return logits, tap
+
+    def _mrope_rows(
+        self, batch: PagedBatch, positions: torch.Tensor
+    ) -> tuple[PagedBatch, torch.Tensor]:
+        """(batch with row-index positions, fp32 [B * S, rotary_dim] per-row cos/sin table)."""
+        cfg = self.config
+        if cfg.mrope_section is None:
+            raise ValueError(
+                f"mrope_positions given but {cfg.source} has no mrope_section (1-D RoPE model)"
+            )
+        bsz, rows = batch.positions.shape
+        if tuple(positions.shape) != (3, bsz, rows):
+            raise ValueError(
+                f"mrope_positions must be [3, B, S] = [3, {bsz}, {rows}], "
+                f"got {tuple(positions.shape)}"
+            )
+        rotary_dim = int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+        table = mrope_cos_sin_rows(
+            positions.reshape(3, bsz * rows), rotary_dim, cfg.rope, cfg.mrope_section
+        )
+        row_ids = torch.arange(bsz * rows, dtype=torch.int32).view(bsz, rows)
+        per_row = PagedBatch(
+            batch.page_table, batch.past_lengths, batch.input_lengths, row_ids, batch._plans
+        )
+        return per_row, table
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -288,10 +324,14 @@ def check_tensors(source: WeightSource, cfg: ModelConfig, expected: dict) -> Non
             f"does not match config.json ({cfg.architecture}, {cfg.num_hidden_layers} layers)"
         )
     aux = tuple(f".{s}" for s in quant_tensor_suffixes())
+    vision = VISION_PREFIX if cfg.vision_config is not None else None  # loaded by vision.py
     unexpected = [
         n
         for n in source.names()
-        if n not in expected and not n.endswith(aux) and not n.endswith("rotary_emb.inv_freq")
+        if n not in expected
+        and not n.endswith(aux)
+        and not n.endswith("rotary_emb.inv_freq")
+        and not (vision and n.startswith(vision))
     ]
     if unexpected:
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""

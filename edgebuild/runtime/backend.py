@@ -59,6 +59,7 @@ class TargetBackend(Protocol):
         logits_rows: list[list[int]],  # per sequence row indices (into its n_b rows)
         tap_layers: tuple[int, ...] = (),
         inputs_embeds: list[torch.Tensor | None] | None = None,
+        positions: list[torch.Tensor | None] | None = None,  # per seq int64 [3, n_b] (mrope)
     ) -> TargetStep: ...
 
     def rollback(self, seq: Sequence, rows: int) -> None: ...

@@ -51,6 +51,8 @@ class RequestState:
     anchor: int | None = None  # committed token not yet in the target cache
     pending_features: torch.Tensor | None = None  # [m, n_t*d] target taps not yet in draft cache
     prompt_embeds: torch.Tensor | None = None  # [P, d] multimodal prefill input
+    prompt_positions: torch.Tensor | None = None  # int64 [3, P] mrope positions (images)
+    rope_delta: int = 0  # decode positions = cache slot + rope_delta (multimodal RoPE)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     new_tokens: list[int] = field(default_factory=list)  # committed during the last step
 
@@ -161,8 +163,14 @@ class TargetOnlyDecoder:
         """Run the prompt and commit the first token; returns the prompt's taps (or None)."""
         t0 = time.perf_counter()
         rows = torch.tensor(st.prompt_ids, dtype=torch.int64)
+        st.seq.rope_delta = st.rope_delta
         out = self.target.forward(
-            [st.seq], [rows], [[len(st.prompt_ids) - 1]], tap_layers, [st.prompt_embeds]
+            [st.seq],
+            [rows],
+            [[len(st.prompt_ids) - 1]],
+            tap_layers,
+            [st.prompt_embeds],
+            [st.prompt_positions] if st.prompt_positions is not None else None,
         )
         p = target_probs(out.logits[0][-1], st.params)
         token = sample(p, st.generator)

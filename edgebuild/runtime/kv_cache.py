@@ -24,12 +24,17 @@ class CacheCapacityError(RequestError):
 
 @dataclass
 class Sequence:
-    """One sequence's view of a paged cache: its pages and valid length (rows)."""
+    """One sequence's view of a paged cache: its pages and valid length (rows).
+
+    `rope_delta`: RoPE position of cache slot t is t + rope_delta for rows without explicit
+    positions (multimodal RoPE after an image prompt; 0 otherwise).
+    """
 
     seq_id: int
     pages: list[int] = field(default_factory=list)
     length: int = 0
     freed: bool = False
+    rope_delta: int = 0
 
 
 class PageAllocator:

@@ -17,12 +17,19 @@ import torch
 
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError, RequestError
+from edgebuild.models.image_processing import ImageInput
 from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.runtime.decoding import (
     DSparkDecoder,
     RequestState,
     TargetOnlyDecoder,
     run_to_completion,
+)
+from edgebuild.runtime.multimodal import (
+    ImageInputError,
+    VisionEncoder,
+    count_image_parts,
+    template_messages,
 )
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.speculative import SpeculativeConfig
@@ -58,24 +65,31 @@ class RuntimeOptions:
     max_input_len: longest accepted prompt in tokens.
     page_size: KV page size in tokens.
     dtype: compute dtype of the CPU models.
+    max_images: most images in one prompt (vision-language targets).
     """
 
     max_kv_rows: int = 16384
     max_input_len: int = 4096
     page_size: int = DEFAULT_PAGE_SIZE
     dtype: torch.dtype = torch.float32
+    max_images: int = 8
 
 
 class LLM:
     """Target (+ optional DSpark draft) on the torch CPU backend.
 
     Args:
-        model: target checkpoint directory.
+        model: target checkpoint directory, or a bundle (``manifest.json``): verified, then
+            run from its source checkpoints, with its draft unless ``speculative`` is given.
         speculative: a SpeculativeConfig (or its JSON) to enable DSpark.
         options: RuntimeOptions.
+        backend: ``torch`` (CPU, the source checkpoints) or ``tensorrt`` (the bundle's engines;
+            limits from the bundle's build settings; see :mod:`edgebuild.runtime.select`).
 
     Raises:
         CheckpointError / ConfigError / PairingError: before any model runs.
+        BundleError: a bundle that does not verify (changed or missing file, wrong format
+            version, a source checkpoint whose hash changed).
     """
 
     def __init__(
@@ -83,14 +97,30 @@ class LLM:
         model: str | Path,
         speculative: SpeculativeConfig | str | dict | None = None,
         options: RuntimeOptions | None = None,
+        backend: str = "torch",
     ):
-        self.model_dir = Path(model)
+        from edgebuild.bundle.manifest import resolve_model_path
+
+        resolved = resolve_model_path(model)  # a bundle: verified, then its source checkpoints
+        self.bundle = resolved.bundle
+        self.model_dir = resolved.target
         self.options = options or RuntimeOptions()
-        spec = speculative
+        spec = speculative if speculative is not None else resolved.speculative
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.parse(spec)
         self.speculative = spec
         self.source = WeightSource(self.model_dir)
+        self.backend = backend
+        if backend == "tensorrt":  # the bundle's engines; no torch weights are loaded
+            from edgebuild.runtime.trt_backend import open_trt_runtime
+
+            rt = open_trt_runtime(resolved, spec)
+            self.options, self.config = rt.runtime_options(self.options), rt.config
+            self.target_model, self.vision = None, None
+            self.target, self.draft = rt.target, rt.draft
+            self.decoder = rt.decoder(spec)
+            self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
+            return
         draft_loader = None
         if spec is not None:  # validate the pair before loading the (large) target
             from edgebuild.runtime.dspark_backend import prepare_draft
@@ -98,6 +128,11 @@ class LLM:
             draft_loader = prepare_draft(spec, self.source)
         self.target_model = LlamaForCausalLM.from_source(self.source, self.options.dtype)
         self.config = self.target_model.config
+        self.vision: VisionEncoder | None = None
+        if self.config.vision_config is not None:  # a VLM checkpoint: visual.* + processor
+            self.vision = VisionEncoder.from_source(
+                self.source, self.model_dir, self.options.dtype, self.options.max_images
+            )
         self.tokenizer = load_tokenizer(self.model_dir)
         self.target = TorchTarget(
             self.target_model, self.options.max_kv_rows, self.options.page_size
@@ -119,16 +154,43 @@ class LLM:
             return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat conversation with the generation prompt appended."""
+    def encode_messages(
+        self, messages: list[dict], images: list[ImageInput] | None = None
+    ) -> list[int]:
+        """Token ids of a chat conversation with the generation prompt appended.
+
+        Image content parts (`image_url` / `image` / `input_image`) are rendered by the chat
+        template as one image pad token each, which is expanded to `images[k].num_tokens`
+        pads (`images` from :meth:`process_images`, one per image part, in order).
+
+        Raises:
+            RequestError: no chat template; ImageInputError: image parts for a model without
+                a vision tower, or image parts and `images` that do not match.
+        """
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"{self.model_dir}: the tokenizer has no chat template")
+        n_parts = count_image_parts(messages)
+        if (n_parts or images) and self.vision is None:
+            raise ImageInputError(
+                f"{self.model_dir} has no vision tower: image content parts are not supported"
+            )
+        if n_parts != len(images or []):
+            raise ImageInputError(f"{n_parts} image content parts but {len(images or [])} images")
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
+            template_messages(messages), add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        return list(ids)
+        ids = list(ids)
+        if self.vision is not None:
+            ids = self.vision.expand_placeholders(ids, images or [])
+        return ids
+
+    def process_images(self, images: list) -> list[ImageInput]:
+        """Preprocess PIL images for this model (ImageInputError without a vision tower)."""
+        if self.vision is None:
+            raise ImageInputError(f"{self.model_dir} has no vision tower: images are not supported")
+        return self.vision.process(images)
 
     def eos_ids(self) -> frozenset[int]:
         ids = set(self.config.eos_token_id)
@@ -160,15 +222,29 @@ class LLM:
             )
 
     def new_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id=None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id=None,
+        images: list[ImageInput] | None = None,
     ) -> RequestState:
-        """A RequestState with its own stop checker, generator and cache sequences."""
+        """A RequestState with its own stop checker, generator and cache sequences.
+
+        With `images` (prompt from :meth:`encode_messages`), the vision tower runs here: the
+        state gets `prompt_embeds`, 3-axis `prompt_positions` and `rope_delta`.
+        """
         self.check_request(prompt_ids, params)
         eos = frozenset() if params.ignore_eos else self.eos_ids()
         detok = IncrementalDetokenizer(self.tokenizer)
         st = RequestState.create(
             request_id or f"req-{next(self._ids)}", prompt_ids, params, eos, detok
         )
+        if images and self.vision is None:
+            raise ImageInputError(f"{self.model_dir} has no vision tower: images are not supported")
+        if self.vision is not None and (images or self.vision.image_token_id in prompt_ids):
+            mm = self.vision.prepare(prompt_ids, images or [], self.target_model.embed)
+            st.prompt_embeds, st.prompt_positions = mm.embeds, mm.positions
+            st.rope_delta = mm.rope_delta
         self.decoder.start(st)
         return st
 
@@ -177,11 +253,21 @@ class LLM:
         self.decoder.finish(st)
 
     def generate_ids(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        images: list[list[ImageInput] | None] | None = None,
     ) -> list[RequestState]:
-        """Run a batch of prompts to completion (continuous batching: finished ones leave)."""
+        """Run a batch of prompts to completion (continuous batching: finished ones leave).
+
+        `images[i]`: the preprocessed images of prompt i (None / [] for text prompts).
+        """
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        states = [self.new_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        ilist = images if images is not None else [None] * len(prompts)
+        states = [
+            self.new_request(p, sp, images=im)
+            for p, sp, im in zip(prompts, plist, ilist, strict=True)
+        ]
         run_to_completion(self.decoder, states)
         return states
 

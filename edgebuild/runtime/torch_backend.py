@@ -92,14 +92,26 @@ class TorchTarget:
         logits_rows: list[list[int]],
         tap_layers: tuple[int, ...] = (),
         inputs_embeds: list[torch.Tensor | None] | None = None,
+        positions: list[torch.Tensor | None] | None = None,
     ) -> TargetStep:
         """Append `rows[b]` to sequence b and return logits of `logits_rows[b]` (+ taps).
 
         rows[b]: int64 [n_b]; logits_rows[b]: indices in [0, n_b). Returns fp32 logits
         [len(logits_rows[b]), V] per sequence and taps [n_b, n_t * d] when asked for.
+        RoPE positions: cache slot + `seq.rope_delta`, or `positions[b]` int64 [3, n_b]
+        (t, h, w) for a multimodal prefill of a multimodal-RoPE target.
         """
         lengths = [int(r.shape[0]) for r in rows]
-        batch = make_batch(self.allocator, seqs, lengths)
+        width = max(lengths)
+        slots = torch.tensor([s.length + s.rope_delta for s in seqs], dtype=torch.int64)
+        flat = slots[:, None] + torch.arange(width)[None, :]  # [B, S]
+        batch = make_batch(self.allocator, seqs, lengths, positions=flat)
+        mrope = None
+        if positions is not None and any(p is not None for p in positions):
+            mrope = flat[None].expand(3, -1, -1).clone()  # [3, B, S]
+            for b, p in enumerate(positions):
+                if p is not None:
+                    mrope[:, b, : p.shape[1]] = p
         ids = pad_rows(rows)
         embeds = None
         if inputs_embeds is not None and any(e is not None for e in inputs_embeds):
@@ -119,6 +131,7 @@ class TorchTarget:
             inputs_embeds=embeds,
             logits_rows=sel,
             tap_layers=tap_layers,
+            mrope_positions=mrope,
         )
         for s, n in zip(seqs, lengths, strict=True):
             self.allocator.advance(s, n)

@@ -1,0 +1,484 @@
+"""``edgebuild build``: recipe (or checkpoint + flags) -> validated -> ONNX -> engines -> bundle.
+
+Stages, each finished before the next starts:
+
+1. **Validate** (:func:`plan_build`): open the checkpoints, parse and check the target, pair
+   the draft with it (hidden size, vocab, taps, mask id, heads, fc width, block size), check
+   the recipe's precision against the stored formats and the device (NVFP4 / FP8 weights on
+   Orin are refused). Nothing is exported before all of this passes.
+2. **Export** (:mod:`edgebuild.export`): ``base`` (with the draft's taps) and ``draft`` graphs
+   into a temporary directory next to the output, weights streamed layer by layer.
+3. **Engines** (:mod:`edgebuild.engine`): unless ``onnx_only``; without TensorRT the build
+   stops after ONNX and says so (the manifest records why no engine was built).
+4. **Bundle**: configs and tokenizer files copied, ``manifest.json`` written last, then the
+   temporary directory is renamed to the output. An interrupted build leaves only a
+   ``.NAME.partial-*`` directory without a manifest, which nothing accepts as a bundle.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgebuild.bundle.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    dumps,
+    file_record,
+    source_record,
+)
+from edgebuild.checkpoint.config import ModelConfig
+from edgebuild.checkpoint.pairing import PairedSources
+from edgebuild.checkpoint.quant import QuantAlgo
+from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
+from edgebuild.errors import BundleError, ConfigError, MissingDependencyError
+from edgebuild.recipe import BuildSettings, ModelRef, Precision, Recipe, SpeculativeSettings
+
+log = logging.getLogger("edgebuild.bundle")
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+_PRECISION_DTYPE = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
+_PRECISION_FORMATS = {
+    Precision.NVFP4: {QuantAlgo.NVFP4},
+    Precision.FP8: {QuantAlgo.FP8, QuantAlgo.FP8_BLOCK},
+}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to build (the *what* is the recipe).
+
+    Attributes:
+        onnx_only: stop after the ONNX graphs.
+        portable: standard-op graphs (no plugin; onnxruntime / TensorRT-RTX) instead of
+            plugin graphs.
+        builder: ``tensorrt`` (Jetson) or ``tensorrt_rtx`` (portable graphs, CPU checks).
+        plugin_library: the plugin ``.so`` (default: ``$EDGEBUILD_PLUGIN_LIB`` or the
+            repository's plugin build directory).
+        timing_cache: TensorRT timing cache file, read and updated (kept outside the bundle).
+        dtype: activation dtype override (``float32`` for CPU parity checks); default from
+            ``build.precision`` (bf16 / fp16), or the checkpoint's dtype for nvfp4 / fp8.
+        force: replace an existing output directory.
+        progress: show progress bars.
+    """
+
+    onnx_only: bool = False
+    portable: bool = False
+    builder: str = "tensorrt"
+    plugin_library: Path | None = None
+    timing_cache: Path | None = None
+    dtype: str | None = None
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass
+class BuildPlan:
+    """Everything validated in stage 1 (sources opened, configs parsed)."""
+
+    recipe: Recipe
+    target: WeightSource
+    target_config: ModelConfig
+    pair: PairedSources | None
+    draft_config: object | None
+    weights: str  # WeightMode value
+    dtype: str | None
+    formats: tuple[str, ...]
+
+
+def _formats(source: WeightSource) -> set[QuantAlgo]:
+    q = source.quant
+    found = {q.algo, *q.per_layer.values()}
+    return {f for f in found if f not in (QuantAlgo.NONE, QuantAlgo.MIXED_PRECISION)}
+
+
+def recipe_from_flags(
+    ckpt: Path,
+    draft: Path | None,
+    *,
+    device: str = "thor",
+    precision: str | None = None,
+    num_speculative_tokens: int | None = None,
+    draft_top_k: int = 16,
+    confidence_threshold: float = 0.0,
+    **build: int,
+) -> Recipe:
+    """A :class:`Recipe` for ``edgebuild build CKPT [--draft D]`` and its flags.
+
+    ``precision`` defaults to the checkpoint's (nvfp4 / fp8 when quantized, else bf16 or fp16
+    from its dtype); ``num_speculative_tokens`` to the draft's ``block_size`` (at most 16).
+    ``build`` holds the other ``build:`` keys (``max_batch_size``, ``max_input_len``, ...).
+
+    Raises:
+        ConfigError: a bad flag value (as :meth:`Recipe.validate` names it), an unreadable
+            checkpoint config.
+    """
+    ckpt = Path(ckpt).resolve()
+    source = WeightSource(ckpt)
+    if precision is None:
+        formats = _formats(source)
+        if QuantAlgo.NVFP4 in formats:
+            precision = "nvfp4"
+        elif formats & {QuantAlgo.FP8, QuantAlgo.FP8_BLOCK}:
+            precision = "fp8"
+        else:
+            dtype = source.config.get("torch_dtype") or source.config.get("dtype")
+            precision = "fp16" if dtype == "float16" else "bf16"
+    spec = None
+    if draft is not None:
+        if num_speculative_tokens is None:
+            dcfg = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))
+            block = dcfg.get("block_size") or (dcfg.get("dflash_config") or {}).get("block_size")
+            num_speculative_tokens = min(int(block or 7), 16)
+        spec = SpeculativeSettings(
+            num_speculative_tokens=num_speculative_tokens,
+            draft_top_k=draft_top_k,
+            confidence_threshold=confidence_threshold,
+        )
+    try:
+        recipe = Recipe(
+            name=ckpt.name,
+            target=ModelRef(path=str(ckpt)),
+            draft=ModelRef(path=str(Path(draft).resolve())) if draft is not None else None,
+            speculative=spec,
+            build=BuildSettings(device=device, precision=precision, **build),
+            source=Path("<command line>"),
+        )
+    except ValueError as exc:  # pydantic validation
+        raise ConfigError(f"build flags: {exc}") from None
+    return recipe.validate()
+
+
+def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
+    """Stage 1: open and validate everything before any export work.
+
+    Raises:
+        CheckpointError / PairingError / QuantFormatError: bad or mismatched checkpoints.
+        ConfigError: precision vs stored formats, NVFP4 / FP8 on Orin, block size, an rnn
+            Markov head (no engine form), a builder that cannot take the graphs.
+    """
+    from edgebuild.engine import BUILDERS, check_device_formats
+    from edgebuild.export.exporter import meta_draft, meta_target
+    from edgebuild.export.graphs import DraftGraph, GraphKind
+
+    if options.builder not in BUILDERS:
+        raise ConfigError(f"unknown engine builder {options.builder!r}; use one of {BUILDERS}")
+    if options.builder == "tensorrt_rtx" and not options.portable and not options.onnx_only:
+        raise ConfigError(
+            "TensorRT-RTX cannot load the edgebuild attention plugin: use --portable with it"
+        )
+    b = recipe.build
+    target = WeightSource(recipe.resolve(recipe.target), COMPONENT)
+    tcfg = ModelConfig.from_dict(target.config, source=str(target.config_path))
+    meta_target(target, torch.float32)  # checks every tensor against the config
+    formats = _formats(target)
+    weights, dtype = "native", options.dtype or _PRECISION_DTYPE.get(b.precision)
+    if b.precision in _PRECISION_FORMATS:
+        if not formats & _PRECISION_FORMATS[b.precision]:
+            raise ConfigError(
+                f"{recipe.source}: build.precision is {b.precision.value!r} but the target "
+                f"{target.path} is not stored in that format ({target.quant.algo.value}); "
+                f"quantize it first (`edgebuild quantize {target.path} --quant "
+                f"{b.precision.value}`) or set build.precision to bf16"
+            )
+        check_device_formats(b.device, [f.value for f in formats], str(target.path))
+    elif formats:
+        weights = "dense"  # bf16 / fp16 engine from a quantized checkpoint: dequantize
+        log.info(
+            "%s: %s weights are dequantized for a %s engine", target.path, formats, b.precision
+        )
+    pair = draft_cfg = None
+    if recipe.draft is not None:
+        pair = PairedSources(
+            WeightSource(recipe.resolve(recipe.draft), COMPONENT), WeightSource(target.path, TARGET)
+        )
+        pair.validate()
+        model = meta_draft(pair, tcfg, torch.float32)
+        draft_cfg = model.config
+        n = recipe.speculative.num_speculative_tokens
+        if n > draft_cfg.block_size:
+            raise ConfigError(
+                f"{recipe.source}: speculative.num_speculative_tokens {n} exceeds the draft's "
+                f"block_size {draft_cfg.block_size} ({draft_cfg.source}); use 1..{draft_cfg.block_size}"
+            )
+        DraftGraph(
+            model, GraphKind.PORTABLE, b.page_size, 1, max(1, recipe.speculative.draft_top_k)
+        )
+    for source in (target, *((pair.draft, pair.target) if pair else ())):
+        source.close()  # validation read quantized tensors through mmap: release the pages
+    return BuildPlan(
+        recipe,
+        target,
+        tcfg,
+        pair,
+        draft_cfg,
+        weights,
+        dtype,
+        tuple(sorted(f.value for f in formats)),
+    )
+
+
+# ----------------------------------------------------------------------------- progress
+class _Progress:
+    """Rich progress bars: one per stage, counting weight bytes written where known."""
+
+    def __init__(self, enabled: bool):
+        self._bar, self._task = None, None
+        if enabled:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("{task.description:<28}"), BarColumn(), DownloadColumn(),
+                TimeElapsedColumn(),
+            )  # fmt: skip
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.stop()
+        return False
+
+    def stage(self, description: str, total_bytes: int | None = None) -> None:
+        """Start a stage (``total_bytes`` None: an indeterminate bar)."""
+        log.info("%s", description)
+        if self._bar is not None:
+            self._task = self._bar.add_task(description, total=total_bytes)
+
+    def advance(self, _name: str, nbytes: int) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.advance(self._task, nbytes)
+
+    def done(self) -> None:
+        if self._bar is not None and self._task is not None:
+            task = self._bar.tasks[-1]
+            total = task.total if task.total is not None else 1
+            self._bar.update(
+                self._task, total=max(total, task.completed), completed=max(total, task.completed)
+            )
+
+
+# ----------------------------------------------------------------------------- build
+@contextmanager
+def _staging(out: Path, force: bool) -> Iterator[Path]:
+    """A temporary directory next to ``out``; renamed to ``out`` on success, removed else."""
+    out = Path(out).resolve()
+    if out.exists() and not force:
+        raise BundleError(f"{out} exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _role_entry(exported, role: str) -> dict:
+    return {
+        "onnx": f"{role}/{exported.onnx_path.name}",
+        "onnx_data": f"{role}/{exported.data_path.name}",
+        "config": f"{role}/config.json",
+        "engine": None,
+        "graph_kind": exported.kind.value,
+        "dtype": exported.dtype,
+        **exported.io_json(),
+        "quantized": dict(sorted(exported.weights.quantized.items())),
+        "weight_sources": dict(sorted(exported.weights.borrowed.items())),
+    }
+
+
+def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progress) -> dict:
+    from edgebuild.export import ExportOptions, GraphKind, WeightMode, export_base, export_draft
+
+    recipe, b = plan.recipe, plan.recipe.build
+    top_k = recipe.speculative.draft_top_k if recipe.speculative else 16
+    block = plan.draft_config.block_size if plan.draft_config is not None else 0
+    opts = ExportOptions(
+        kind=GraphKind.PORTABLE if options.portable else GraphKind.PLUGIN,
+        weights=WeightMode(plan.weights),
+        dtype=plan.dtype,
+        page_size=b.page_size,
+        rope_rows=b.max_kv_cache_capacity + block + 1,  # positions a request can reach
+        top_k=max(1, top_k),
+    )
+    taps = tuple(plan.draft_config.target_layer_ids) if plan.draft_config is not None else ()
+    roles = {}
+    progress.stage("export base", plan.target.total_bytes())
+    base = export_base(plan.target, tmp / "base", opts, taps, progress.advance)
+    progress.done()
+    shutil.copyfile(plan.target.config_path, tmp / "base" / "config.json")
+    roles["base"] = _role_entry(base, "base")
+    roles["base"]["tap_layers"] = list(taps)
+    if plan.pair is not None:
+        progress.stage("export draft", plan.pair.draft.total_bytes())
+        draft = export_draft(plan.pair, plan.target_config, tmp / "draft", opts, progress.advance)
+        progress.done()
+        shutil.copyfile(plan.pair.draft.config_path, tmp / "draft" / "config.json")
+        roles["draft"] = _role_entry(draft, "draft")
+        roles["draft"]["top_k"] = int(draft.metadata["edgebuild.top_k"])
+    return {"roles": roles, "export": opts.to_json()}
+
+
+def _engines(plan: BuildPlan, options: BuildOptions, tmp: Path, roles: dict, progress) -> dict:
+    """Stage 3; returns the manifest's ``engines`` entry (status says why none were built)."""
+    from edgebuild.engine import ENGINE_NAME, build_engine, load_tensorrt
+
+    if options.onnx_only:
+        return {"status": "not built: --onnx-only"}
+    try:
+        trt = load_tensorrt(options.builder)
+    except MissingDependencyError as exc:
+        log.warning("stopping after ONNX: %s", exc)
+        return {
+            "status": f"not built: {options.builder} is not installed; the bundle has the ONNX "
+            "graphs only (build the engines on the device)"
+        }
+    from edgebuild.doctor import plugin_library_path
+
+    library = options.plugin_library or plugin_library_path()
+    n = plan.recipe.speculative.num_speculative_tokens if plan.recipe.speculative else 0
+    for role, entry in roles.items():
+        progress.stage(f"engine {role}", None)
+        build_engine(
+            tmp / entry["onnx"],
+            tmp / role / ENGINE_NAME,
+            role,
+            entry["inputs"],
+            plan.recipe.build,
+            n,
+            builder=options.builder,
+            needs_plugin=entry["graph_kind"] == "plugin",
+            plugin_library=library,
+            timing_cache=options.timing_cache,
+        )
+        progress.done()
+        entry["engine"] = f"{role}/{ENGINE_NAME}"
+    return {
+        "status": "built",
+        "builder": options.builder,
+        "builder_version": trt.__version__,
+        "sm": _engine_sm(options.builder),
+    }
+
+
+def _engine_sm(builder: str) -> str | None:
+    """The SM the engines run on: TensorRT builds for the local GPU (None: RTX, or no CUDA
+    torch to ask; the runtime then takes the SM of ``build.device``)."""
+    from edgebuild.engine import local_sm
+
+    return local_sm() if builder == "tensorrt" else None
+
+
+def _copy_tokenizer(target_dir: Path, tmp: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).is_file():
+            shutil.copyfile(target_dir / name, tmp / name)
+            copied.append(name)
+    return copied
+
+
+def _manifest(plan: BuildPlan, options: BuildOptions, tmp: Path, exported: dict, engines: dict):
+    from edgebuild import __version__
+    from edgebuild.export import dspark_fields
+    from edgebuild.export.plugin import contract
+
+    recipe = plan.recipe
+    sources = {"target": source_record(plan.target.path)}
+    dspark = None
+    if plan.pair is not None:
+        sources["draft"] = source_record(plan.pair.draft.path)
+        dspark = dspark_fields(plan.draft_config)
+        dspark["lm_head_source"] = plan.pair.lm_head().checkpoint_source
+        dspark["embed_tokens_source"] = plan.pair.embed_tokens().checkpoint_source
+        dspark["top_k"] = exported["roles"]["draft"]["top_k"]
+    for role, entry in sources.items():
+        entry["quant"] = sorted(
+            f.value for f in _formats(plan.target if role == "target" else plan.pair.draft)
+        )
+    files = {
+        p.relative_to(tmp).as_posix(): file_record(p)
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "producer": {"name": "edgebuild", "version": __version__},
+        "name": recipe.name,
+        "graph_kind": "portable" if options.portable else "plugin",
+        "build": {**recipe.build.model_dump(mode="json"), "weights": plan.weights},
+        "export": exported["export"],
+        "speculative": recipe.speculative.model_dump(mode="json") if recipe.speculative else None,
+        "plugin": None if options.portable else contract().to_manifest(),
+        "sources": sources,
+        "roles": exported["roles"],
+        "dspark": dspark,
+        "engines": engines,
+        "tokenizer": exported["tokenizer"],
+        "files": files,
+    }
+
+
+@dataclass
+class BuildResult:
+    path: Path
+    manifest: dict
+
+
+def build_bundle(recipe: Recipe, out: Path, options: BuildOptions | None = None) -> BuildResult:
+    """Build a bundle at ``out`` from ``recipe`` (module docstring for the stages).
+
+    Raises:
+        CheckpointError / PairingError / ConfigError: stage 1 (nothing written).
+        BundleError: ``out`` exists without ``force``.
+        EngineError / MissingDependencyError: engine stage (a plugin graph without library).
+    """
+    options = options or BuildOptions()
+    plan = plan_build(recipe, options)
+    with _Progress(options.progress) as progress, _staging(out, options.force) as tmp:
+        exported = _export(plan, options, tmp, progress)
+        exported["tokenizer"] = _copy_tokenizer(plan.target.path, tmp)
+        engines = _engines(plan, options, tmp, exported["roles"], progress)
+        progress.stage("manifest (hashing files)", None)
+        manifest = _manifest(plan, options, tmp, exported, engines)
+        (tmp / MANIFEST_NAME).write_text(dumps(manifest), encoding="utf-8")
+        progress.done()
+    return BuildResult(Path(out).resolve(), manifest)

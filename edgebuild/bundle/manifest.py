@@ -1,0 +1,238 @@
+"""The bundle format: layout, ``manifest.json``, hashing, verification, and model resolution.
+
+A bundle is a directory::
+
+    BUNDLE/
+      manifest.json              written last; its presence marks a complete bundle
+      base/model.onnx            target graph (+ model.onnx.data, config.json, model.engine)
+      draft/model.onnx           DSpark draft graph (when the build had a draft)
+      tokenizer.json ...         the target's tokenizer files and chat template
+
+``manifest.json`` (format ``edgebuild-bundle``, version :data:`FORMAT_VERSION`) records the
+roles and their I/O, the build settings, the plugin (name, version, library), the source
+checkpoints with the sha256 and size of every file that defines them (weights, configs), the
+DSpark fields, the tokenizer files, and the sha256 and size of every file of the bundle.
+It holds no timestamps and no temporary paths and is written with sorted keys, so building
+twice from the same inputs gives the same bytes.
+
+This module is what the runtime imports (:func:`resolve_model_path`): it never imports the
+exporter or TensorRT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgebuild.errors import BundleError
+
+FORMAT = "edgebuild-bundle"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+# files that define a checkpoint (hashed into the manifest), besides the weight files
+CHECKPOINT_FILES = (
+    "config.json",
+    "hf_quant_config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_CHUNK = 8 << 20
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 8 MiB chunks (constant memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_record(path: Path) -> dict:
+    """``{"sha256": ..., "size": ...}`` of one file."""
+    return {"sha256": sha256_file(path), "size": path.stat().st_size}
+
+
+def checkpoint_files(ckpt_dir: Path) -> list[str]:
+    """The files that define a checkpoint directory (configs and weights), sorted."""
+    ckpt_dir = Path(ckpt_dir)
+    names = [n for n in CHECKPOINT_FILES if (ckpt_dir / n).is_file()]
+    names += [p.name for p in ckpt_dir.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES]
+    return sorted(set(names))
+
+
+def source_record(ckpt_dir: Path) -> dict:
+    """Manifest entry of a source checkpoint: absolute path and every defining file's hash."""
+    ckpt_dir = Path(ckpt_dir).resolve()
+    return {
+        "path": str(ckpt_dir),
+        "files": {name: file_record(ckpt_dir / name) for name in checkpoint_files(ckpt_dir)},
+    }
+
+
+def dumps(manifest: dict) -> str:
+    """The canonical text of a manifest (sorted keys, 2-space indent, final newline)."""
+    return json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+
+
+def read_manifest(bundle: Path) -> dict:
+    """Parse ``BUNDLE/manifest.json`` and check its format and version.
+
+    Raises:
+        BundleError: not a directory, no manifest (an unfinished or interrupted build), bad
+            JSON, another format, or a format version this edgebuild does not read.
+    """
+    bundle = Path(bundle)
+    path = bundle / MANIFEST_NAME
+    if not bundle.is_dir():
+        raise BundleError(f"{bundle}: not a directory")
+    if not path.is_file():
+        raise BundleError(
+            f"{bundle}: no {MANIFEST_NAME}; this is not a finished bundle (an interrupted build "
+            "leaves none) - rebuild it with `edgebuild build`"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{path}: unreadable manifest ({exc}); rebuild the bundle") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise BundleError(f"{path}: format is {got!r}, not {FORMAT!r}; this is not a bundle")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(
+            f"{path}: format_version is {version!r} but this edgebuild reads version "
+            f"{FORMAT_VERSION}; rebuild the bundle with this edgebuild (or use the edgebuild "
+            "that wrote it)"
+        )
+    return manifest
+
+
+def _check_files(bundle: Path, manifest: dict) -> list[str]:
+    problems = []
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return [f"{bundle / MANIFEST_NAME}: has no 'files' table"]
+    for rel, record in sorted(files.items()):
+        path = bundle / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing from the bundle (listed in {MANIFEST_NAME})")
+            continue
+        size = path.stat().st_size
+        if size != record.get("size"):
+            problems.append(
+                f"{rel}: size {size} bytes, the manifest says {record.get('size')}: the file "
+                "was truncated or replaced after the build"
+            )
+            continue
+        digest = sha256_file(path)
+        if digest != record.get("sha256"):
+            problems.append(
+                f"{rel}: sha256 {digest[:16]}... but the manifest says "
+                f"{str(record.get('sha256'))[:16]}...: the file changed after the build"
+            )
+    for role, entry in sorted((manifest.get("roles") or {}).items()):
+        for key in ("onnx", "onnx_data", "config", "engine"):
+            rel = entry.get(key)
+            if rel and rel not in files:
+                problems.append(f"roles.{role}.{key} = {rel!r} is not in the manifest's files")
+    return problems
+
+
+def _check_sources(manifest: dict) -> list[str]:
+    problems = []
+    for role, source in sorted((manifest.get("sources") or {}).items()):
+        root = Path(source.get("path", ""))
+        if not root.is_dir():
+            problems.append(
+                f"sources.{role}: checkpoint directory {root} is missing (moved or deleted after "
+                "the build); restore it or rebuild the bundle"
+            )
+            continue
+        for name, record in sorted((source.get("files") or {}).items()):
+            path = root / name
+            if not path.is_file():
+                problems.append(f"sources.{role}: {path} is missing; rebuild the bundle")
+            elif path.stat().st_size != record.get("size") or sha256_file(path) != record.get(
+                "sha256"
+            ):
+                problems.append(
+                    f"sources.{role}: {path} changed since the bundle was built (sha256/size "
+                    "differ from the manifest); rebuild the bundle from the new checkpoint"
+                )
+    return problems
+
+
+def verify_bundle(bundle: Path, check_sources: bool = True) -> dict:
+    """Re-check a bundle: manifest format and version, every file's size and sha256, the
+    roles' files, and (``check_sources``) the source checkpoints' hashes.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        BundleError: listing every problem found, one per line, each naming the file and
+            saying what to do.
+    """
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    problems = _check_files(bundle, manifest)
+    if check_sources:
+        problems += _check_sources(manifest)
+    if problems:
+        raise BundleError(
+            f"{bundle}: the bundle does not verify ({len(problems)} problem"
+            f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
+        )
+    return manifest
+
+
+def is_bundle(path: Path) -> bool:
+    """True when ``path`` is a directory with a ``manifest.json`` (complete or corrupt)."""
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What the runtime loads for a model path.
+
+    Attributes:
+        target: the target checkpoint directory.
+        draft: the DSpark draft checkpoint directory, or None.
+        speculative: the bundle's speculative settings (``--speculative-config`` keys, draft
+            path included), or None.
+        bundle: the bundle directory when ``path`` was a bundle.
+        manifest: its manifest (empty for a plain checkpoint).
+    """
+
+    target: Path
+    draft: Path | None = None
+    speculative: dict | None = None
+    bundle: Path | None = None
+    manifest: dict | None = None
+
+
+def resolve_model_path(path: str | Path) -> ResolvedModel:
+    """A checkpoint directory as is; a bundle after :func:`verify_bundle`, as its sources.
+
+    Raises:
+        BundleError: a bundle that does not verify (changed byte, missing file, wrong format
+            version, a source checkpoint whose hash changed).
+    """
+    path = Path(path)
+    if not is_bundle(path):
+        return ResolvedModel(target=path)
+    manifest = verify_bundle(path, check_sources=True)
+    sources = manifest.get("sources") or {}
+    if "target" not in sources:
+        raise BundleError(f"{path / MANIFEST_NAME}: no sources.target; rebuild the bundle")
+    target = Path(sources["target"]["path"])
+    draft = Path(sources["draft"]["path"]) if "draft" in sources else None
+    speculative = None
+    spec = manifest.get("speculative")
+    if draft is not None and spec:
+        speculative = {**spec, "model": str(draft)}
+    return ResolvedModel(target, draft, speculative, path, manifest)

@@ -1,0 +1,34 @@
+"""torch -> ONNX per engine role (``base``, ``draft``), with the attention plugin node.
+
+Public API: :func:`export_base`, :func:`export_draft`, :class:`ExportOptions`,
+:class:`GraphKind` (plugin / portable), :class:`WeightMode` (native / dense),
+:class:`ExportedGraph`. See :mod:`edgebuild.export.exporter` for the flow,
+:mod:`edgebuild.export.graphs` for each role's inputs and outputs,
+:mod:`edgebuild.export.plugin` for the plugin node and :mod:`edgebuild.export.portable` for
+the standard-op attention of portable graphs.
+"""
+
+from edgebuild.export.exporter import (
+    DATA_NAME,
+    ONNX_NAME,
+    ExportedGraph,
+    ExportOptions,
+    dspark_fields,
+    export_base,
+    export_draft,
+)
+from edgebuild.export.graphs import GraphKind, TensorSpec
+from edgebuild.export.weights import WeightMode
+
+__all__ = [
+    "DATA_NAME",
+    "ONNX_NAME",
+    "ExportOptions",
+    "ExportedGraph",
+    "GraphKind",
+    "TensorSpec",
+    "WeightMode",
+    "dspark_fields",
+    "export_base",
+    "export_draft",
+]

@@ -1,0 +1,401 @@
+"""Streaming the checkpoint weights into an exported graph's external data file.
+
+The graphs are traced with meta weights (no memory); this module then fills every weight
+initializer from the checkpoint, one tensor at a time, appending its bytes to
+``model.onnx.data`` and pointing the initializer at them (ONNX external data). At most one
+(dequantized) tensor is held at once, and the checkpoint's memory maps are dropped every
+:data:`RELEASE_BYTES` so that file pages read through ``mmap`` do not accumulate in the
+process's resident set. Peak memory is therefore one layer's largest tensor plus the
+tracing overhead, independent of the model size.
+
+Quantized linears (:class:`~edgebuild.checkpoint.quant.QuantizedWeight`) are written in one
+of two :class:`WeightMode` s:
+
+* ``native``: the stored tensors as they are, with standard DequantizeLinear chains (opset 23):
+    - NVFP4: ``DequantizeLinear(weight_scale: FLOAT8E4M3FN [out, in/16], weight_scale_2: FLOAT
+      []) -> s`` feeding ``DequantizeLinear(weight: FLOAT4E2M1 [out, in], s, axis=-1,
+      block_size=16)`` (the checkpoint's packed bytes unchanged: ONNX packs FLOAT4E2M1 two per
+      byte, first element in the low nibble, as ModelOpt does);
+    - FP8 per-tensor / per-channel: ``DequantizeLinear(weight: FLOAT8E4M3FN, weight_scale)``;
+    - FP8 128x128 blocks: ``weight_scale_inv`` repeated along ``out`` into a per-row block scale
+      ``[out, ceil(in/128)]`` and ``DequantizeLinear(weight, scale, axis=1, block_size=128)``;
+  then a ``Cast`` to the graph dtype when it is not fp32. TensorRT (and TensorRT-RTX) parse
+  these into dequantize layers; onnxruntime's CPU provider has no FLOAT4E2M1 kernels.
+* ``dense``: dequantized to the graph dtype on the fly (onnxruntime-runnable graphs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+
+from edgebuild.checkpoint.pairing import PairedSources
+from edgebuild.checkpoint.quant import QuantAlgo, QuantizedWeight, is_quant_aux_tensor
+from edgebuild.checkpoint.source import WeightSource
+from edgebuild.errors import CheckpointError
+from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
+
+log = logging.getLogger("edgebuild.export")
+
+RELEASE_BYTES = 64 << 20  # drop checkpoint memory maps after this many bytes read
+_ALIGN_SMALL, _ALIGN_LARGE, _LARGE = 64, 4096, 1 << 16
+
+_IR_DTYPES = {
+    torch.float32: ir.DataType.FLOAT,
+    torch.float16: ir.DataType.FLOAT16,
+    torch.bfloat16: ir.DataType.BFLOAT16,
+    torch.float8_e4m3fn: ir.DataType.FLOAT8E4M3FN,
+    torch.uint8: ir.DataType.UINT8,
+    torch.int32: ir.DataType.INT32,
+    torch.int64: ir.DataType.INT64,
+}
+_TORCH_DTYPES = {v: k for k, v in _IR_DTYPES.items()}
+
+
+class WeightMode(str, Enum):
+    """How quantized linears are written (module docstring)."""
+
+    NATIVE = "native"
+    DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """Where one initializer's data comes from.
+
+    Attributes:
+        name: the initializer (= parameter) name.
+        load: returns the stored value (dense tensor or QuantizedWeight) when called.
+        checkpoint_source: "component", "target", or "computed" (the RoPE table).
+        file: the checkpoint file name (not the directory) or "" for computed tensors.
+        tensor: the stored tensor name in that file.
+    """
+
+    name: str
+    load: Callable[[], torch.Tensor | QuantizedWeight]
+    checkpoint_source: str
+    file: str = ""
+    tensor: str = ""
+
+    def origin(self) -> dict:
+        return {
+            "checkpoint_source": self.checkpoint_source,
+            "file": self.file,
+            "tensor": self.tensor,
+        }
+
+
+def _is_quantized_linear(source: WeightSource, name: str) -> bool:
+    prefix, _, leaf = name.rpartition(".")
+    return leaf == "weight" and any(
+        f"{prefix}.{s}" in source for s in ("weight_scale", "weight_scale_inv")
+    )
+
+
+def _source_entry(source: WeightSource, param: str, stored: str) -> WeightEntry:
+    if _is_quantized_linear(source, stored):
+
+        def load(prefix=stored.rpartition(".")[0]):
+            return source.linear(prefix)
+    else:
+
+        def load(name=stored):
+            return source.get(name)
+
+    info = source.info(stored)
+    return WeightEntry(param, load, source.checkpoint_source, info.file.name, stored)
+
+
+def rope_entry(rotary_dim: int, rows: int, rope: RopeScaling) -> WeightEntry:
+    """The fp32 RoPE table buffer ``[rows, rotary_dim]`` (computed, not read)."""
+    from edgebuild.export.graphs import ROPE_BUFFER
+
+    return WeightEntry(
+        ROPE_BUFFER, lambda: rope_cos_sin_table(rotary_dim, rows, rope), "computed", "", "rope"
+    )
+
+
+def base_entries(source: WeightSource, tied: bool) -> dict[str, WeightEntry]:
+    """Initializer name -> entry for the target (names are the checkpoint's).
+
+    A tied head shares ``model.embed_tokens.weight`` (one initializer in the graph).
+    """
+    out = {}
+    for name in source.names():
+        if name.endswith("rotary_emb.inv_freq") or is_quant_aux_tensor(name):
+            continue
+        out[name] = _source_entry(source, name, name)
+    if tied and "lm_head.weight" in out:
+        del out["lm_head.weight"]
+    return out
+
+
+def draft_entries(pair: PairedSources) -> dict[str, WeightEntry]:
+    """Initializer name -> entry for a DSpark draft (canonical names, spec section 1.2).
+
+    ``lm_head.weight`` / ``embed_tokens.weight`` come from :class:`PairedSources` (the
+    draft's own, or the target's with ``checkpoint_source = "target"``).
+    """
+    from edgebuild.models.dspark import canonical_name
+
+    out = {}
+    for stored in pair.draft.names():
+        canon = canonical_name(stored)
+        if canon.startswith(("lm_head.", "embed_tokens.")) or canon.endswith("inv_freq"):
+            continue
+        if is_quant_aux_tensor(canon):
+            continue
+        out[canon] = _source_entry(pair.draft, canon, stored)
+    for param, resolve in (
+        ("lm_head.weight", pair.lm_head),
+        ("embed_tokens.weight", pair.embed_tokens),
+    ):
+        found = resolve()  # reads the header only for the name; the value is re-read on write
+        src = pair.draft if found.checkpoint_source == pair.draft.checkpoint_source else pair.target
+        out[param] = _source_entry(src, param, found.name)
+    return out
+
+
+# ----------------------------------------------------------------------------- writer
+class ExternalDataWriter:
+    """Appends tensors to one external data file and returns ``ir.ExternalTensor`` s.
+
+    Offsets are aligned (64 bytes, 4 KiB for tensors >= 64 KiB) so that readers can map
+    large tensors directly. The file is written sequentially; nothing is kept in memory.
+    """
+
+    def __init__(self, directory: Path, location: str):
+        self.directory, self.location = Path(directory), location
+        self._file = open(self.directory / location, "wb")  # noqa: SIM115 - closed in close()
+        self.offset = 0
+
+    def add(self, name: str, data: torch.Tensor, dtype: ir.DataType, shape: tuple[int, ...]):
+        """Write ``data``'s raw bytes; ``dtype``/``shape`` describe them (FP4: packed)."""
+        raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        align = _ALIGN_LARGE if raw.nbytes >= _LARGE else _ALIGN_SMALL
+        pad = -self.offset % align
+        if pad:
+            self._file.write(b"\0" * pad)
+            self.offset += pad
+        self._file.write(memoryview(raw))
+        tensor = ir.ExternalTensor(
+            self.location,
+            self.offset,
+            raw.nbytes,
+            dtype,
+            shape=ir.Shape(shape),
+            name=name,
+            base_dir=str(self.directory),
+        )
+        self.offset += raw.nbytes
+        return tensor
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# ----------------------------------------------------------------------------- materialize
+@dataclass
+class WeightReport:
+    """What :func:`materialize` wrote.
+
+    Attributes:
+        borrowed: initializers not read from the role's own checkpoint (a draft's head and
+            embedding from the target, the computed RoPE table) -> their origin.
+        quantized: initializer -> stored format (NVFP4, FP8, FP8_BLOCK) kept as DQ chains.
+        bytes_written: bytes appended to the external data file.
+    """
+
+    borrowed: dict[str, dict] = field(default_factory=dict)
+    quantized: dict[str, str] = field(default_factory=dict)
+    bytes_written: int = 0
+
+    def borrowed_json(self) -> str:
+        return json.dumps(self.borrowed, sort_keys=True, separators=(",", ":"))
+
+
+def meta_initializers(graph: ir.Graph) -> Iterator[ir.Value]:
+    """Initializers traced from meta tensors (the weights still to be filled), graph order."""
+    for value in list(graph.initializers.values()):
+        raw = getattr(value.const_value, "raw", None)
+        if isinstance(raw, torch.Tensor) and raw.device.type == "meta":
+            yield value
+
+
+def materialize(
+    model: ir.Model,
+    entries: dict[str, WeightEntry],
+    writer: ExternalDataWriter,
+    mode: WeightMode,
+    sources: list[WeightSource],
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> WeightReport:
+    """Fill every meta initializer of ``model`` from ``entries`` (module docstring).
+
+    Args:
+        model: the traced graph (modified in place).
+        entries: initializer name -> data source.
+        writer: the external data file.
+        mode: native DequantizeLinear chains or dense dequantization.
+        sources: checkpoint sources whose memory maps are released periodically.
+        on_tensor: progress callback ``(name, bytes)``.
+
+    Raises:
+        CheckpointError: an initializer without a source, or a stored tensor whose shape does
+            not match the traced parameter (names the file and tensor).
+    """
+    graph, report, since_release = model.graph, WeightReport(), 0
+    chains: list[ir.Node] = []
+    for value in list(meta_initializers(graph)):
+        name = value.name
+        entry = entries.get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"exported graph needs weight '{name}' but no checkpoint provides it"
+            )
+        data = entry.load()
+        want = tuple(value.shape.numpy()) if value.shape is not None else ()
+        got = tuple(data.shape)
+        if got != want:
+            raise CheckpointError(
+                f"{entry.file}: tensor '{entry.tensor}' has shape {list(got)} but the exported "
+                f"graph's '{name}' is {list(want)}"
+            )
+        if entry.checkpoint_source != "component":
+            report.borrowed[name] = entry.origin()
+        if isinstance(data, QuantizedWeight) and mode is WeightMode.NATIVE:
+            chains += _dequantize_chain(graph, value, data, writer)
+            report.quantized[name] = data.format.value
+            nbytes = data.nbytes
+        else:
+            dtype = _TORCH_DTYPES[value.dtype]
+            dense = data.dequantize(dtype) if isinstance(data, QuantizedWeight) else data.to(dtype)
+            value.const_value = writer.add(name, dense, value.dtype, want)
+            nbytes = dense.numel() * dense.element_size()
+            del dense
+        del data
+        report.bytes_written += nbytes
+        since_release += nbytes
+        if on_tensor is not None:
+            on_tensor(name, nbytes)
+        if since_release >= RELEASE_BYTES:
+            for source in sources:
+                source.close()
+            since_release = 0
+    if chains:
+        graph.insert_before(graph.node(0), chains)
+    for source in sources:
+        source.close()
+    return report
+
+
+def _initializer(graph: ir.Graph, name: str, tensor) -> ir.Value:
+    value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+    value.const_value = tensor
+    graph.register_initializer(value)
+    return value
+
+
+def _node(op: str, inputs, name: str, **attrs) -> ir.Node:
+    return ir.Node(
+        "",
+        op,
+        inputs,
+        attributes=ir.convenience.convert_attributes(attrs),
+        outputs=[ir.Value(name=name)],
+        name=f"{name}/{op}",
+    )
+
+
+def _dequantize_chain(
+    graph: ir.Graph, value: ir.Value, qw: QuantizedWeight, writer: ExternalDataWriter
+) -> list[ir.Node]:
+    """Replace initializer ``value`` by a DequantizeLinear chain over the stored tensors."""
+    qw.validate()
+    name, prefix = value.name, qw.name
+    out_f, in_f = qw.shape
+    nodes: list[ir.Node] = []
+    graph.initializers.pop(name)
+    value.name = f"{name}.__meta"
+    if qw.format is QuantAlgo.NVFP4:
+        if qw.data.shape[1] * 2 != in_f:
+            raise CheckpointError(
+                f"{qw.file}: NVFP4 tensor '{name}' is padded along 'in' ({qw.data.shape[1] * 2} "
+                f"codes for {in_f} inputs); padded NVFP4 weights are not exported yet"
+            )
+        data = _initializer(
+            graph,
+            name,
+            writer.add(name, qw.data, ir.DataType.FLOAT4E2M1, (out_f, qw.data.shape[1] * 2)),
+        )
+        scale = _initializer(
+            graph,
+            f"{prefix}.weight_scale",
+            writer.add(
+                f"{prefix}.weight_scale",
+                qw.weight_scale,
+                ir.DataType.FLOAT8E4M3FN,
+                tuple(qw.weight_scale.shape),
+            ),
+        )
+        global_scale = _initializer(
+            graph,
+            f"{prefix}.weight_scale_2",
+            writer.add(
+                f"{prefix}.weight_scale_2", qw.weight_scale_2.float(), ir.DataType.FLOAT, ()
+            ),
+        )
+        nodes.append(_node("DequantizeLinear", [scale, global_scale], f"{prefix}.block_scale"))
+        nodes.append(
+            _node(
+                "DequantizeLinear",
+                [data, nodes[-1].outputs[0]],
+                f"{name}.dequantized",
+                axis=-1,
+                block_size=qw.group_size,
+            )
+        )
+    else:
+        data = _initializer(
+            graph, name, writer.add(name, qw.data, ir.DataType.FLOAT8E4M3FN, (out_f, in_f))
+        )
+        if qw.format is QuantAlgo.FP8:
+            ws = qw.weight_scale.float().reshape(-1)
+            scalar = ws.numel() == 1
+            scale = _initializer(
+                graph,
+                f"{prefix}.weight_scale",
+                writer.add(
+                    f"{prefix}.weight_scale", ws, ir.DataType.FLOAT, () if scalar else (out_f,)
+                ),
+            )
+            attrs = {} if scalar else {"axis": 0}
+            nodes.append(_node("DequantizeLinear", [data, scale], f"{name}.dequantized", **attrs))
+        else:  # FP8_BLOCK: per-row block scales along `in`
+            bo, bi = qw.block_size
+            rows = qw.weight_scale_inv.float().repeat_interleave(bo, dim=0)[:out_f]
+            scale = _initializer(
+                graph,
+                f"{prefix}.weight_scale_inv_rows",
+                writer.add(
+                    f"{prefix}.weight_scale_inv_rows", rows, ir.DataType.FLOAT, tuple(rows.shape)
+                ),
+            )
+            nodes.append(
+                _node(
+                    "DequantizeLinear", [data, scale], f"{name}.dequantized", axis=1, block_size=bi
+                )
+            )
+    result = nodes[-1].outputs[0]
+    if value.dtype != ir.DataType.FLOAT:
+        nodes.append(_node("Cast", [result], f"{name}.dense", to=value.dtype))
+        result = nodes[-1].outputs[0]
+    ir.convenience.replace_all_uses_with(value, result)
+    return nodes

@@ -1,0 +1,719 @@
+"""The TensorRT backend: :class:`TrtTarget` and :class:`TrtDraft` over a bundle's engines.
+
+Both implement the protocols of :mod:`edgebuild.runtime.backend`, so the decoders of
+:mod:`edgebuild.runtime.decoding` drive them exactly as they drive the torch backend.
+
+Memory (all sized by :func:`edgebuild.runtime.trt_plan.plan_buffers` and allocated once, at
+load): every engine input/output at its largest shape (a call binds contiguous prefix views
+of these), host staging for what the host writes and reads back, and per layer a device KV
+page pool for the base and for the draft. The pools are addressed through the same
+:class:`~edgebuild.runtime.kv_cache.PageAllocator` page tables as the CPU backend ("one
+allocator, two storage backends"): the allocator hands out page ids, the engine's
+``page_table`` input carries them, the plugin reads and writes the pool in place.
+
+One step of DSpark decoding on this backend (the words of :mod:`edgebuild.runtime.decoding`):
+
+1. **verify**: the base engine runs [anchor, drafts] in its ``generate`` profile; the tapped
+   hidden states are copied, on the device, into the tap ring (:class:`TapRing`) and handed to
+   the decoder as device views; the logits rows are copied to the host (the decoder needs
+   them to accept: that is the step's one synchronisation on the target side).
+2. **update_context** only remembers the accepted rows' device views.
+3. **propose**: the draft engine's single call writes those rows into the draft KV pool
+   (context update) and runs the block pass; the pending features go from the tap ring to the
+   draft's ``context_features`` input by a device-to-device copy (no host round trip). The
+   top-k lattice (``[B, n, K]`` ids, ``[B, n, K, K]`` scores, ``[B, n, K]`` confidences) is
+   copied to the host and walked by :func:`walk_lattice` (the decoder needs the tokens on the
+   host to build the verify rows: the draft side's one synchronisation).
+
+Decode, verify and draft calls pass a CUDA-graph key ``(batch, rows, ...)`` to the engine
+runner (:mod:`edgebuild.runtime.trt_engine`), which captures shapes that repeat.
+
+Vision (seam): the visual engine role is not in bundles yet and the base engine takes token
+ids only. A multimodal prefill (``inputs_embeds`` / 3-axis ``positions``) is refused with a
+:class:`~edgebuild.errors.ConfigError`; :func:`splice_image_embeds` is the device-side splice
+the base engine will use once it declares an ``inputs_embeds`` input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from edgebuild.errors import ConfigError, EngineError, MissingDependencyError, RequestError
+from edgebuild.runtime.backend import Proposal, TargetStep
+from edgebuild.runtime.kv_cache import CacheCapacityError, PageAllocator, Sequence
+from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.trt_plan import (
+    DTYPES,
+    KV_INPUT,
+    KV_OUTPUT,
+    TAP_RING,
+    TAPS_OUTPUT,
+    BufferPlan,
+    EngineLimits,
+    Profile,
+    RoleIO,
+    choose_profile,
+    plan_buffers,
+    role_io,
+    role_profiles,
+)
+
+log = logging.getLogger("edgebuild.runtime")
+
+
+class EngineRunner(Protocol):
+    """Runs one role's engine on bound buffers (:class:`~edgebuild.runtime.trt_engine.TrtEngineRunner`)."""
+
+    def execute(
+        self, profile: int, bindings: dict[str, torch.Tensor], graph_key: tuple | None = None
+    ) -> None: ...
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- buffers
+class RoleBuffers:
+    """The buffers of one role, allocated once from the plan; calls bind prefix views.
+
+    Args:
+        plan: the backend's buffer plan.
+        role: ``base`` or ``draft``.
+        io: the role's declared I/O (binding order).
+        device: where device buffers live (``cuda``; ``cpu`` in the CPU tests).
+    """
+
+    def __init__(self, plan: BufferPlan, role: str, io: RoleIO, device: torch.device | str):
+        self.io, self.device = io, torch.device(device)
+        pin = self.device.type == "cuda"
+        self.device_bufs: dict[str, torch.Tensor] = {}
+        self.host_bufs: dict[str, torch.Tensor] = {}
+        for spec in plan.role(role, "device"):
+            if spec.alias_of is None:
+                self.device_bufs[spec.name] = torch.zeros(
+                    spec.shape, dtype=DTYPES[spec.dtype], device=self.device
+                )
+        for spec in plan.role(role, "host"):
+            self.host_bufs[spec.name] = torch.zeros(
+                spec.shape, dtype=DTYPES[spec.dtype], pin_memory=pin
+            )
+
+    def pool(self, name: str) -> torch.Tensor:
+        """A KV pool (``kv_cache_i``), full shape."""
+        return self.device_bufs[name]
+
+    @staticmethod
+    def prefix(buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The contiguous view of ``buf``'s first ``prod(shape)`` elements as ``shape``."""
+        return buf.view(-1)[: math.prod(shape)].view(shape)
+
+    def bind(
+        self,
+        host_inputs: dict[str, torch.Tensor],
+        device_shapes: dict[str, tuple[int, ...]],
+    ) -> dict[str, torch.Tensor]:
+        """Views for every I/O tensor of one call, host inputs copied to the device.
+
+        ``host_inputs``: the values of the inputs written from the host (their shapes are the
+        call's); ``device_shapes``: the shapes of every other non-KV tensor. KV inputs and
+        outputs are bound to the whole pool (the same memory: the plugin updates in place).
+        """
+        views = {}
+        for desc in (*self.io.inputs, *self.io.outputs):
+            name = desc.name
+            if name.startswith(KV_INPUT):
+                views[name] = self.device_bufs[name]
+            elif name.startswith(KV_OUTPUT):
+                views[name] = self.device_bufs[KV_INPUT + name[len(KV_OUTPUT) :]]
+            elif name in host_inputs:
+                value = host_inputs[name]
+                stage = self.prefix(self.host_bufs[name], tuple(value.shape))
+                stage.copy_(value)
+                views[name] = self.prefix(self.device_bufs[name], tuple(value.shape))
+                views[name].copy_(stage, non_blocking=True)
+            else:
+                views[name] = self.prefix(self.device_bufs[name], device_shapes[name])
+        return views
+
+    def read_back(self, name: str, device_view: torch.Tensor) -> torch.Tensor:
+        """Enqueue the copy of an output view into its host staging; returns the host view."""
+        host = self.prefix(self.host_bufs[name], tuple(device_view.shape))
+        host.copy_(device_view, non_blocking=True)
+        return host
+
+
+class TapRing:
+    """Device rows holding each target sequence's latest tapped hidden states.
+
+    The decoder keeps one pending feature block per request (the taps of its latest target
+    call) until the draft consumes it; a sequence's new write releases its previous block.
+    Blocks are placed first-fit in a ring of :attr:`EngineLimits.tap_ring_rows` rows.
+
+    Args:
+        rows: a preallocated device tensor [ring_rows, n_taps * hidden].
+    """
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+        self.live: dict[int, tuple[int, int]] = {}  # seq_id -> (start, count)
+        self.head = 0
+
+    def _fits(self, start: int, n: int) -> bool:
+        if start + n > self.rows.shape[0]:
+            return False
+        return all(start + n <= s or s + m <= start for s, m in self.live.values())
+
+    def write(self, seq_id: int, src: torch.Tensor) -> torch.Tensor:
+        """Copy ``src`` [n, F] (device) into the ring for ``seq_id``; returns the ring view.
+
+        Raises:
+            EngineError: no room (more pending feature rows than the ring holds).
+        """
+        self.live.pop(seq_id, None)
+        n = int(src.shape[0])
+        candidates = [self.head, 0, *(s + m for s, m in self.live.values())]
+        start = next((c for c in candidates if self._fits(c, n)), None)
+        if start is None:
+            pending = sum(m for _, m in self.live.values())
+            raise EngineError(
+                f"tap ring full: {n} rows for sequence {seq_id} do not fit beside {pending} "
+                f"pending rows of {len(self.live)} sequences ({self.rows.shape[0]} rows); "
+                "lower the number of concurrent requests or rebuild with a larger max batch"
+            )
+        view = self.rows[start : start + n]
+        view.copy_(src)
+        self.live[seq_id] = (start, n)
+        self.head = start + n
+        return view
+
+    def release(self, seq_id: int) -> None:
+        self.live.pop(seq_id, None)
+
+
+def splice_image_embeds(
+    embeds: torch.Tensor,  # [S, d] device, token embeddings of one prompt
+    image_embeds: torch.Tensor,  # [P_img, d] device, the visual engine's output
+    rows: torch.Tensor,  # int64 [P_img] device, the image pad rows of the prompt
+) -> torch.Tensor:
+    """Write the visual engine's rows over the image pad rows, in place on the device."""
+    return embeds.index_copy_(0, rows, image_embeds.to(embeds.dtype))
+
+
+VISION_SEAM = (
+    "image prompts on the TensorRT backend need a visual engine and a base engine with an "
+    "inputs_embeds input; this bundle has neither (vision runs on the torch backend: "
+    "--backend torch)"
+)
+
+
+def _vision_seam(inputs_embeds, positions) -> None:
+    if (inputs_embeds is not None and any(e is not None for e in inputs_embeds)) or (
+        positions is not None and any(p is not None for p in positions)
+    ):
+        raise ConfigError(VISION_SEAM)
+
+
+def _pad(rows: list[list[int]] | list[torch.Tensor], width: int, fill: int = 0) -> torch.Tensor:
+    out = torch.full((len(rows), width), fill, dtype=torch.int32)
+    for b, r in enumerate(rows):
+        r = torch.as_tensor(r, dtype=torch.int32)
+        out[b, : r.shape[0]] = r
+    return out
+
+
+def _page_table(allocator: PageAllocator, seqs: list[Sequence], width: int) -> torch.Tensor:
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for b, s in enumerate(seqs):
+        if s.pages:
+            table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+    return table
+
+
+def _reserve(allocator: PageAllocator, limits: EngineLimits, seqs, lengths) -> None:
+    """Reserve pages for new rows; a sequence may not outgrow the engine's page table."""
+    for s, n in zip(seqs, lengths, strict=True):
+        if allocator.pages_for(s.length + n) > limits.pages_per_seq:
+            raise CacheCapacityError(
+                f"sequence of {s.length + n} rows exceeds the engines' KV capacity of "
+                f"{limits.kv_capacity} rows per sequence (build.max_kv_cache_capacity); "
+                "shorten the request or rebuild the bundle with a larger capacity"
+            )
+    done = []
+    try:
+        for s, n in zip(seqs, lengths, strict=True):
+            done.append((s, s.length))
+            allocator.reserve(s, n)
+    except CacheCapacityError:
+        for s, length in done:
+            allocator.truncate(s, length)
+        raise
+
+
+# ----------------------------------------------------------------------------- target
+class TrtTarget:
+    """TargetBackend on the ``base`` engine (module docstring).
+
+    Args:
+        runner: the base engine runner.
+        io, profiles: the role's declared I/O and optimization profiles.
+        plan: the buffer plan (sizes every allocation).
+        tap_layers: the layers the engine's ``target_hidden_states`` concatenates.
+        max_model_len: longest sequence the model supports (RoPE table rows).
+        device: where the buffers live; stream: the CUDA stream (None on the CPU).
+    """
+
+    def __init__(
+        self,
+        runner: EngineRunner,
+        io: RoleIO,
+        profiles: list[Profile],
+        plan: BufferPlan,
+        tap_layers: tuple[int, ...],
+        max_model_len: int,
+        device: torch.device | str = "cuda",
+        stream=None,
+    ):
+        self.runner, self.io, self.profiles, self.stream = runner, io, profiles, stream
+        self.limits = plan.limits
+        self.tap_layers = tuple(tap_layers)
+        self.vocab_size = int(io.get("logits").dims[-1])
+        self.max_model_len = min(max_model_len, self.limits.kv_capacity)
+        self.buffers = RoleBuffers(plan, "base", io, device)
+        self.allocator = PageAllocator(self.limits.num_pages, self.limits.page_size)
+        has_taps = TAPS_OUTPUT in io.names()
+        self.ring = TapRing(self.buffers.device_bufs[TAP_RING]) if has_taps else None
+        self.generate = self._generate_profile()
+
+    def _generate_profile(self) -> int | None:
+        """The profile decode/verify calls run in (CUDA-graph keys are only made for it)."""
+        names = [p.name for p in self.profiles]
+        return names.index("generate") if "generate" in names else None
+
+    def new_sequence(self) -> Sequence:
+        return self.allocator.new_sequence()
+
+    def can_fit(self, rows: int) -> bool:
+        return self.allocator.pages_for(rows) <= self.limits.pages_per_seq
+
+    def rollback(self, seq: Sequence, rows: int) -> None:
+        self.allocator.rollback(seq, rows)
+
+    def free(self, seq: Sequence) -> None:
+        if self.ring is not None:
+            self.ring.release(seq.seq_id)
+        self.allocator.free(seq)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        seqs: list[Sequence],
+        rows: list[torch.Tensor],  # per sequence int64 [n_b]
+        logits_rows: list[list[int]],
+        tap_layers: tuple[int, ...] = (),
+        inputs_embeds: list[torch.Tensor | None] | None = None,
+        positions: list[torch.Tensor | None] | None = None,
+    ) -> TargetStep:
+        """Append ``rows[b]`` to sequence b; fp32 host logits of ``logits_rows[b]`` and, when
+        asked, device taps [n_b, n_t * d] (views of the tap ring, valid until the sequence's
+        next forward). Batches larger than the engines' max batch run in chunks.
+        """
+        _vision_seam(inputs_embeds, positions)
+        if tap_layers and tuple(tap_layers) != self.tap_layers:
+            raise ConfigError(
+                f"taps of layers {list(tap_layers)} asked for, but the base engine was built "
+                f"with taps {list(self.tap_layers)} (manifest roles.base.tap_layers)"
+            )
+        logits, taps = [], []
+        step = self.limits.max_batch
+        for i in range(0, len(seqs), step):
+            chunk = slice(i, i + step)
+            out = self._forward_chunk(
+                seqs[chunk], rows[chunk], logits_rows[chunk], bool(tap_layers)
+            )
+            logits += out[0]
+            taps += out[1]
+        return TargetStep(logits, taps if tap_layers else None)
+
+    def _inputs(self, seqs, rows, logits_rows) -> dict[str, torch.Tensor]:
+        lengths = [int(r.shape[0]) for r in rows]
+        width, r_max = max(lengths), max(len(r) for r in logits_rows)
+        slots = torch.tensor([s.length + s.rope_delta for s in seqs], dtype=torch.int32)
+        sel = [list(r) + [r[-1] if r else 0] * (r_max - len(r)) for r in logits_rows]
+        return {
+            "input_ids": _pad(rows, width),
+            "positions": slots[:, None] + torch.arange(width, dtype=torch.int32)[None, :],
+            "past_lengths": torch.tensor([s.length for s in seqs], dtype=torch.int32),
+            "input_lengths": torch.tensor(lengths, dtype=torch.int32),
+            "logits_rows": _pad(sel, r_max),
+            "page_table": _page_table(self.allocator, seqs, self.limits.pages_per_seq),
+        }
+
+    def _forward_chunk(self, seqs, rows, logits_rows, want_taps: bool):
+        lengths = [int(r.shape[0]) for r in rows]
+        width = max(lengths)
+        if width > self.limits.max_input_len:
+            raise RequestError(
+                f"{width} rows in one call exceed the engines' max input length "
+                f"{self.limits.max_input_len} (build.max_input_len)"
+            )
+        _reserve(self.allocator, self.limits, seqs, lengths)
+        old = [s.length for s in seqs]
+        try:
+            inputs = self._inputs(seqs, rows, logits_rows)
+            shapes = {k: tuple(v.shape) for k, v in inputs.items()}
+            profile = choose_profile(self.profiles, shapes)
+            key = (len(seqs), width, shapes["logits_rows"][1]) if profile == self.generate else None
+            with _on(self.stream):
+                views = self.buffers.bind(inputs, self._output_shapes(len(seqs), width, shapes))
+                self.runner.execute(profile, views, key)
+                host_logits = self.buffers.read_back("logits", views["logits"])
+                taps = []
+                if want_taps:
+                    hidden = views[TAPS_OUTPUT]
+                    taps = [
+                        self.ring.write(s.seq_id, hidden[b, :n])
+                        for b, (s, n) in enumerate(zip(seqs, lengths, strict=True))
+                    ]
+            if self.stream is not None:
+                self.stream.synchronize()  # the decoder reads the logits now
+        except BaseException:
+            for s, length in zip(seqs, old, strict=True):
+                self.allocator.truncate(s, length)
+            raise
+        for s, n in zip(seqs, lengths, strict=True):
+            self.allocator.advance(s, n)
+        logits = [host_logits[b, : len(r)].clone() for b, r in enumerate(logits_rows)]
+        return logits, taps
+
+    def _output_shapes(self, batch: int, width: int, shapes: dict) -> dict[str, tuple[int, ...]]:
+        out = {"logits": (batch, shapes["logits_rows"][1], self.vocab_size)}
+        if self.ring is not None:
+            out[TAPS_OUTPUT] = (batch, width, self.ring.rows.shape[1])
+        return out
+
+
+# ----------------------------------------------------------------------------- draft
+def walk_lattice(
+    cand: torch.Tensor,  # int [B, n, K] candidate ids per block row (host)
+    scores: torch.Tensor,  # fp32 [B, n, K(i), K(j)] scores given previous candidate i (host)
+    confidence: torch.Tensor | None,  # fp32 [B, n, K(i)] or None (host)
+    num_tokens: list[int],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    vocab: int,
+) -> list[Proposal]:
+    """The DSpark Markov walk over the engine's top-k lattice (:mod:`edgebuild.export.graphs`).
+
+    Slot 0 is conditioned on the anchor in every row i, so it reads row 0; slot l reads the
+    row of the candidate chosen at slot l-1. The draw (argmax when greedy, else softmax of
+    scores / T) and the distribution q (zero outside the candidates) are the torch draft's
+    (:func:`edgebuild.runtime.dspark_backend._draw`), and so is the order in which the
+    generators are used, so both backends propose the same blocks for the same seeds.
+    """
+    from edgebuild.runtime.dspark_backend import _draw
+
+    batch = cand.shape[0]
+    n_max = max(num_tokens, default=0)
+    if n_max > cand.shape[1]:
+        raise ValueError(f"{n_max} drafts asked for, the lattice has {cand.shape[1]} slots")
+    q = torch.zeros(batch, n_max, vocab)
+    conf = torch.ones(batch, n_max)
+    tokens = torch.zeros(batch, n_max, dtype=torch.long)
+    cand = cand.long()
+    prev = [0] * batch
+    for k in range(n_max):
+        for b in range(batch):
+            probs, choice = _draw(scores[b, k, prev[b]], params[b], generators[b])
+            q[b, k].index_copy_(0, cand[b, k], probs)
+            tokens[b, k] = cand[b, k, choice]
+            if confidence is not None:
+                conf[b, k] = confidence[b, k, prev[b]]
+            prev[b] = choice
+    return [
+        Proposal(tokens[b, :n].tolist(), q[b, :n], conf[b, :n]) for b, n in enumerate(num_tokens)
+    ]
+
+
+class TrtDraft:
+    """DraftBackend on the ``draft`` engine (module docstring).
+
+    Args:
+        runner: the draft engine runner.
+        io, profiles, plan: as for :class:`TrtTarget`.
+        block_size: the draft's block size (slots of the lattice).
+        target_layer_ids: the target taps it reads.
+        device, stream: as for :class:`TrtTarget`.
+    """
+
+    def __init__(
+        self,
+        runner: EngineRunner,
+        io: RoleIO,
+        profiles: list[Profile],
+        plan: BufferPlan,
+        block_size: int,
+        target_layer_ids: tuple[int, ...],
+        vocab_size: int,
+        device: torch.device | str = "cuda",
+        stream=None,
+    ):
+        self.runner, self.io, self.profiles, self.stream = runner, io, profiles, stream
+        self.limits = plan.limits
+        self.block_size = block_size
+        self.target_layer_ids = tuple(target_layer_ids)
+        self.vocab_size = vocab_size
+        self.buffers = RoleBuffers(plan, "draft", io, device)
+        self.allocator = PageAllocator(self.limits.num_pages, self.limits.page_size)
+        self.has_confidence = "draft_confidence" in io.names()
+        self.pending: dict[int, torch.Tensor] = {}  # seq_id -> [m, F] device features
+        self.top_k = int(io.get("draft_candidate_ids").dims[-1])
+
+    def new_sequence(self) -> Sequence:
+        return self.allocator.new_sequence()
+
+    def free(self, seq: Sequence) -> None:
+        self.pending.pop(seq.seq_id, None)
+        self.allocator.free(seq)
+
+    def update_context(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
+        """Remember the new context rows [m_b, n_t * d] (device); the next propose writes them."""
+        for s, f in zip(seqs, features, strict=True):
+            if s.seq_id in self.pending:
+                f = torch.cat([self.pending[s.seq_id], f])
+            self.pending[s.seq_id] = f
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        seqs: list[Sequence],
+        anchors: list[int],
+        num_tokens: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+    ) -> list[Proposal]:
+        """One draft call per chunk of at most max-batch sequences: context update + block."""
+        out = []
+        step = self.limits.max_batch
+        for i in range(0, len(seqs), step):
+            c = slice(i, i + step)
+            out += self._propose_chunk(seqs[c], anchors[c], num_tokens[c], params[c], generators[c])
+        return out
+
+    def _inputs(self, seqs, anchors, counts) -> dict[str, torch.Tensor]:
+        width = max(1, max(counts))
+        past = torch.tensor([s.length for s in seqs], dtype=torch.int32)
+        ar = torch.arange(width, dtype=torch.int32)[None, :]
+        block = torch.arange(self.block_size, dtype=torch.int32)[None, :]
+        return {
+            "context_positions": past[:, None] + ar,
+            "context_lengths": torch.tensor(counts, dtype=torch.int32),
+            "past_lengths": past,
+            "anchor_ids": torch.tensor(anchors, dtype=torch.int32),
+            "block_positions": (past + torch.tensor(counts, dtype=torch.int32))[:, None] + block,
+            "page_table": _page_table(self.allocator, seqs, self.limits.pages_per_seq),
+        }
+
+    def _propose_chunk(self, seqs, anchors, num_tokens, params, generators) -> list[Proposal]:
+        feats = [self.pending.get(s.seq_id) for s in seqs]
+        counts = [0 if f is None else int(f.shape[0]) for f in feats]
+        width = max(1, max(counts))
+        if width > self.limits.max_input_len:
+            raise RequestError(
+                f"{width} new context rows exceed the draft engine's max input length "
+                f"{self.limits.max_input_len}"
+            )
+        _reserve(self.allocator, self.limits, seqs, counts)
+        old = [s.length for s in seqs]
+        try:
+            inputs = self._inputs(seqs, anchors, counts)
+            profile = choose_profile(self.profiles, {k: tuple(v.shape) for k, v in inputs.items()})
+            key = (len(seqs), width) if width <= self.limits.verify_len else None
+            with _on(self.stream):
+                f_dim = self.io.get("context_features").dims[-1]
+                views = self.buffers.bind(inputs, self._device_shapes(len(seqs), width, f_dim))
+                ctx = views["context_features"]
+                for b, f in enumerate(feats):
+                    if f is not None and len(f):
+                        ctx[b, : f.shape[0]].copy_(f)  # device to device (tap ring -> input)
+                self.runner.execute(profile, views, key)
+                lattice = [
+                    self.buffers.read_back(name, views[name])
+                    for name in ("draft_candidate_ids", "draft_scores", "draft_confidence")
+                    if name in views
+                ]
+            if self.stream is not None:
+                self.stream.synchronize()  # the walk needs the lattice on the host
+        except BaseException:
+            for s, length in zip(seqs, old, strict=True):
+                self.allocator.truncate(s, length)
+            raise
+        for s, m in zip(seqs, counts, strict=True):
+            self.allocator.advance(s, m)
+            self.pending.pop(s.seq_id, None)
+        conf = lattice[2] if self.has_confidence else None
+        return walk_lattice(
+            lattice[0], lattice[1], conf, num_tokens, params, generators, self.vocab_size
+        )
+
+    def _device_shapes(self, batch: int, width: int, f_dim: int) -> dict[str, tuple[int, ...]]:
+        n, k = self.block_size, self.top_k
+        out = {
+            "context_features": (batch, width, f_dim),
+            "draft_candidate_ids": (batch, n, k),
+            "draft_scores": (batch, n, k, k),
+        }
+        if self.has_confidence:
+            out["draft_confidence"] = (batch, n, k)
+        return out
+
+
+# ----------------------------------------------------------------------------- loading
+@dataclass(frozen=True)
+class TrtOptions:
+    """How the TensorRT backend runs.
+
+    plugin_library: the plugin ``.so`` (default: ``$EDGEBUILD_PLUGIN_LIB`` or plugins/build).
+    cuda_graphs: capture decode / verify / draft shapes that repeat.
+    """
+
+    plugin_library: Path | None = None
+    cuda_graphs: bool = True
+
+
+@dataclass
+class TrtRuntime:
+    """The loaded TensorRT backends of a bundle, and what the LLM needs around them."""
+
+    target: TrtTarget
+    draft: TrtDraft | None
+    config: object  # the target's ModelConfig
+    plan: BufferPlan
+    runners: dict[str, object] = field(default_factory=dict)
+
+    def runtime_options(self, options):
+        """RuntimeOptions clamped to the engines (per-sequence capacity, prompt, page size)."""
+        from dataclasses import replace
+
+        lim = self.plan.limits
+        return replace(
+            options,
+            max_kv_rows=lim.kv_capacity,
+            max_input_len=lim.max_input_len,
+            page_size=lim.page_size,
+        )
+
+    def decoder(self, spec):
+        from edgebuild.runtime.decoding import DSparkDecoder, TargetOnlyDecoder
+
+        if self.draft is None:
+            return TargetOnlyDecoder(self.target)
+        return DSparkDecoder(
+            self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold
+        )
+
+
+def _check_spec(manifest: dict, spec, limits: EngineLimits, bundle: Path) -> bool:
+    """True when the draft engine is to be loaded; refuses a spec the engines cannot run."""
+    if spec is None:
+        return False
+    roles = manifest.get("roles") or {}
+    if "draft" not in roles:
+        raise ConfigError(
+            f"{bundle} has no draft engine; the TensorRT backend runs the bundle's own draft "
+            "only (rebuild with --draft, or use --backend torch for another draft)"
+        )
+    built = Path(((manifest.get("sources") or {}).get("draft") or {}).get("path", ""))
+    if Path(spec.model).resolve() != built.resolve():
+        raise ConfigError(
+            f"--speculative-config names the draft {spec.model}, but {bundle}'s draft engine "
+            f"was built from {built}; use the bundle's draft or --backend torch"
+        )
+    if spec.num_speculative_tokens > limits.num_speculative_tokens:
+        raise ConfigError(
+            f"num_speculative_tokens {spec.num_speculative_tokens} exceeds the "
+            f"{limits.num_speculative_tokens} the engines were built for (verify length "
+            f"{limits.verify_len}); lower it or rebuild the bundle"
+        )
+    return True
+
+
+def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRuntime:
+    """Load a bundle's engines onto the GPU (``resolved``: :func:`resolve_model_path`'s result).
+
+    Raises:
+        ConfigError: not a bundle, a vision model, a speculative config the engines cannot
+            run.
+        MissingDependencyError: no tensorrt / CUDA torch / plugin library (how to build it).
+        EngineError / BundleError: engines that do not match the manifest.
+    """
+    from edgebuild.checkpoint.config import ModelConfig
+    from edgebuild.checkpoint.source import WeightSource
+    from edgebuild.doctor import plugin_library_path
+    from edgebuild.runtime.trt_engine import (
+        TrtEngineRunner,
+        load_plugin_library,
+        load_tensorrt_runtime,
+    )
+
+    options = options or TrtOptions()
+    if resolved.bundle is None:
+        raise ConfigError(f"{resolved.target}: the TensorRT backend runs bundles (edgebuild build)")
+    bundle, manifest = Path(resolved.bundle), resolved.manifest
+    source = WeightSource(resolved.target)
+    config = ModelConfig.from_dict(source.config, str(source.config_path))
+    if config.vision_config is not None:
+        raise ConfigError(f"{resolved.target} is a vision-language model: {VISION_SEAM}")
+    trt = load_tensorrt_runtime()
+    if not torch.cuda.is_available():
+        raise MissingDependencyError("the TensorRT backend needs a CUDA GPU visible to torch")
+    if manifest.get("graph_kind") == "plugin":
+        library = options.plugin_library or plugin_library_path()
+        load_plugin_library(trt.get_plugin_registry(), manifest["plugin"], library, bundle)
+    plan, limits = plan_buffers(manifest), EngineLimits.from_manifest(manifest)
+    with_draft = _check_spec(manifest, spec, limits, bundle)
+    stream = torch.cuda.Stream()
+    runners = {}
+    for role in ("base", "draft") if with_draft else ("base",):
+        runners[role] = TrtEngineRunner(
+            trt,
+            bundle / manifest["roles"][role]["engine"],
+            role_io(manifest, role),
+            role_profiles(manifest, role),
+            stream,
+            options.cuda_graphs,
+        )
+    base = manifest["roles"]["base"]
+    target = TrtTarget(
+        runners["base"],
+        role_io(manifest, "base"),
+        role_profiles(manifest, "base"),
+        plan,
+        tuple(base.get("tap_layers") or ()),
+        config.max_position_embeddings,
+        "cuda",
+        stream,
+    )
+    draft = None
+    if with_draft:
+        dspark = manifest["dspark"]
+        draft = TrtDraft(
+            runners["draft"],
+            role_io(manifest, "draft"),
+            role_profiles(manifest, "draft"),
+            plan,
+            int(dspark["block_size"]),
+            tuple(dspark["target_layer_ids"]),
+            target.vocab_size,
+            "cuda",
+            stream,
+        )
+    log.info("TensorRT backend: %s", plan.summary())
+    return TrtRuntime(target, draft, config, plan, runners)

@@ -1,0 +1,5 @@
+"""`python -m edgebuild.serve` = `edgellm-serve`."""
+
+from edgebuild.serve.cli import main
+
+main()

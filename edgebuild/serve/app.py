@@ -1,0 +1,292 @@
+"""The FastAPI application: OpenAI routes, health, metrics, auth and request-body limits.
+
+Every check that can fail on the request (body size and JSON, field types, model name,
+sampling values, prompt length against the limits) runs here, on the event loop, before the
+request reaches the scheduler, so an invalid request never costs model work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import uuid
+from contextlib import asynccontextmanager
+
+import jinja2
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from edgebuild.errors import RequestError
+from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.serve import media
+from edgebuild.serve.config import ServeState
+from edgebuild.serve.errors import APIError, bad_request, from_request_error, install_handlers
+from edgebuild.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    parse_request,
+)
+from edgebuild.serve.streaming import (
+    chat_response,
+    chat_stream,
+    collect,
+    completion_response,
+    completion_stream,
+)
+
+log = logging.getLogger("edgebuild.serve")
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _state(request: Request) -> ServeState:
+    return request.app.state.serve
+
+
+# ---------------------------------------------------------------------- request checks
+async def require_api_key(request: Request) -> None:
+    """401 unless `Authorization: Bearer <key>` matches --api-key (constant-time compare)."""
+    key = _state(request).config.api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError(
+            401, "missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key"
+        )
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "invalid API key", None, "invalid_api_key")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request body as a JSON object.
+
+    Raises:
+        APIError: 413 over `limit` bytes; 400 for invalid JSON or a non-object body.
+    """
+    declared = request.headers.get("content-length")
+    too_big = APIError(
+        413,
+        f"request body larger than {limit} bytes (--max-request-bytes)",
+        None,
+        "request_too_large",
+    )
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"the request body must be a JSON object, got {type(body).__name__}",
+            code="invalid_json",
+        )
+    return body
+
+
+def check_model(state: ServeState, model: str | None) -> str:
+    """The served model name; 404 when the request names another model."""
+    name = state.config.model_name
+    if model is not None and model != name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {name!r}",
+            "model",
+            "model_not_found",
+        )
+    return name
+
+
+def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParams:
+    """SamplingParams with the limits checked (prompt length, prompt + max_tokens)."""
+    room = state.max_model_len - len(prompt_ids) - state.spec_tokens
+    default = 16 if isinstance(req, CompletionRequest) else max(1, room)
+    params = req.sampling_params(default)
+    vocab = state.llm.config.vocab_size
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    try:
+        state.llm.check_request(prompt_ids, params)
+    except RequestError as exc:
+        raise from_request_error(
+            exc, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        ) from None
+    return params
+
+
+async def chat_prompt(state: ServeState, req: ChatCompletionRequest) -> tuple[list[int], list]:
+    """Token ids of the conversation through the chat template (400 on template errors), and
+    the preprocessed images (a vision-language model; decoded off the event loop)."""
+    images: list = []
+    try:
+        if state.llm.vision is not None and media.has_image_parts(req.messages):
+            limits = media.MediaLimits(
+                max_images=state.llm.options.max_images,
+                allowed_local_media_path=state.config.allowed_local_media_path,
+            )
+            messages, urls = media.chat_messages(req.messages)
+            images = await asyncio.to_thread(_load_images, state, urls, limits)
+        else:
+            messages = req.template_messages()
+        return state.llm.encode_messages(messages, images or None), images
+    except RequestError as exc:
+        raise from_request_error(exc, "messages") from None
+    except jinja2.TemplateError as exc:
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+
+
+def _load_images(state: ServeState, urls: list[str], limits) -> list:
+    """Decode and preprocess the request's images (worker thread: no tokenizer, no model)."""
+    return state.llm.process_images(media.load_images(urls, limits))
+
+
+def completion_prompt(state: ServeState, req: CompletionRequest) -> list[int]:
+    """Token ids of a string prompt, or the given ids after a range check."""
+    if isinstance(req.prompt, str):
+        return state.llm.encode(req.prompt)
+    vocab = state.llm.config.vocab_size
+    bad = [t for t in req.prompt if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", "prompt")
+    return list(req.prompt)
+
+
+# ---------------------------------------------------------------------- routes
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+@v1.get("/models")
+async def list_models(request: Request):
+    """The served model with its real limits."""
+    state = _state(request)
+    spec = state.llm.speculative
+    card = ModelCard(
+        id=state.config.model_name,
+        created=state.created,
+        root=str(state.config.model),
+        max_model_len=state.max_model_len,
+        max_input_len=state.llm.options.max_input_len,
+        speculative=None
+        if spec is None
+        else {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
+    )
+    return ModelList(data=[card]).model_dump()
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request):
+    """OpenAI chat completions (streamed as SSE with `stream: true`)."""
+    state = _state(request)
+    req = parse_request(
+        ChatCompletionRequest, await read_json(request, state.config.max_request_bytes)
+    )
+    model = check_model(state, req.model)
+    ids, images = await chat_prompt(state, req)
+    params = sampling_for(state, req, ids)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    ticket = state.scheduler.submit(ids, params, rid, images=images)
+    if req.stream:
+        stream = chat_stream(ticket, request, rid, model, req.include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    return chat_response(await collect(ticket, request), rid, model).model_dump()
+
+
+@v1.post("/completions")
+async def completions(request: Request):
+    """OpenAI text completions: `prompt` is a string or a list of token ids."""
+    state = _state(request)
+    req = parse_request(CompletionRequest, await read_json(request, state.config.max_request_bytes))
+    model = check_model(state, req.model)
+    ids = completion_prompt(state, req)
+    params = sampling_for(state, req, ids)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    ticket = state.scheduler.submit(ids, params, rid)
+    if req.stream:
+        stream = completion_stream(ticket, request, rid, model, req.include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    return completion_response(await collect(ticket, request), rid, model).model_dump()
+
+
+async def health(request: Request):
+    """200 while the scheduler's worker runs, else 503."""
+    if _state(request).scheduler.alive:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+async def metrics(request: Request):
+    """Prometheus text exposition."""
+    state = _state(request)
+    return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+
+class HTTPMetricsMiddleware:
+    """Counts responses by route and status (pure ASGI: streaming passes through untouched)."""
+
+    def __init__(self, app, state: ServeState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.state.metrics.http_responses.labels(route, str(status)).inc()
+
+
+def create_app(state: ServeState) -> FastAPI:
+    """The application; its lifespan starts the scheduler and, on shutdown, joins it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.scheduler.start()
+        cfg = state.config
+        log.info(
+            "serving %s (%s backend%s), max batch %d, max model len %d",
+            cfg.model_name,
+            state.backend.name,
+            f", {state.llm.speculative.method}" if state.llm.speculative else "",
+            cfg.max_batch_size,
+            state.max_model_len,
+        )
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.scheduler.close)
+
+    app = FastAPI(title="edgellm-serve", lifespan=lifespan)
+    app.state.serve = state
+    install_handlers(app)
+    app.include_router(v1)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_middleware(HTTPMetricsMiddleware, state=state)
+    return app

@@ -1,0 +1,70 @@
+"""`edgellm-serve MODEL_OR_BUNDLE`: the OpenAI-compatible daemon (FastAPI + uvicorn).
+
+Flags map one to one onto :class:`edgebuild.serve.config.ServeConfig` fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from edgebuild.errors import EdgebuildError
+from edgebuild.serve.config import BACKENDS, ServeConfig, load_state
+
+
+@click.command(context_settings={"show_default": True})
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option(
+    "--speculative-config",
+    default=None,
+    help='JSON, e.g. {"method":"dspark","model":DRAFT,"num_speculative_tokens":7}',
+)
+@click.option("--host", default="127.0.0.1", help="Address to listen on.")
+@click.option("--port", default=8000, type=int)
+@click.option("--api-key", default=None, envvar="EDGELLM_API_KEY", help="Require this bearer key.")
+@click.option("--served-model-name", default=None, help="Model name (default: directory name).")
+@click.option("--max-batch-size", default=8, type=int, help="Requests decoded together.")
+@click.option("--max-input-len", default=4096, type=int, help="Longest prompt (tokens).")
+@click.option(
+    "--max-kv-cache-capacity", default=16384, type=int, help="KV rows shared by all requests."
+)
+@click.option(
+    "--max-queued-requests", default=64, type=int, help="Waiting requests beyond a full batch."
+)
+@click.option("--max-request-bytes", default=16 * 1024 * 1024, type=int, help="Body limit.")
+@click.option(
+    "--allowed-local-media-path",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Directory file:// images may come from (vision models).",
+)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto")
+@click.option("--threads", default=None, type=int, help="torch CPU threads (default: torch's).")
+@click.option("--graceful-shutdown-s", default=30.0, type=float, help="Drain time on shutdown.")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning"]))
+def main(log_level: str, **flags) -> None:
+    """Serve MODEL_OR_BUNDLE over an OpenAI-compatible HTTP API."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = ServeConfig(**flags)
+    try:
+        state = load_state(config)
+    except EdgebuildError as exc:
+        click.secho(f"error: {exc}", fg="red", err=True)
+        sys.exit(2)
+
+    import uvicorn
+
+    from edgebuild.serve.app import create_app
+
+    uvicorn.run(
+        create_app(state),
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=config.graceful_shutdown_s,
+    )

@@ -1,0 +1,136 @@
+"""Server settings (one dataclass: the CLI flags map onto its fields by name) and loading the
+model into a :class:`ServeState` on the backend :mod:`edgebuild.runtime.select` chooses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgebuild.errors import ConfigError
+from edgebuild.runtime.llm import LLM, RuntimeOptions
+from edgebuild.runtime.select import BACKENDS, BackendChoice, select_backend
+from edgebuild.serve.metrics import ServeMetrics
+from edgebuild.serve.scheduler import Scheduler
+
+log = logging.getLogger("edgebuild.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of one `edgellm-serve` process.
+
+    Attributes:
+        model: checkpoint or bundle directory.
+        speculative_config: the `--speculative-config` JSON (None = target only).
+        host, port: where to listen.
+        api_key: required `Authorization: Bearer` key for /v1 (None = open).
+        served_model_name: the `model` name clients use (default: the directory name).
+        max_batch_size: most requests decoded together.
+        max_input_len: longest prompt in tokens.
+        max_kv_cache_capacity: KV rows (tokens) shared by all running requests.
+        max_queued_requests: requests that may wait beyond a full batch (then 429).
+        max_request_bytes: largest accepted request body (then 413).
+        allowed_local_media_path: directory `file://` images may come from (vision models).
+        backend: auto | torch | tensorrt.
+        threads: torch CPU threads (None = torch's default).
+        graceful_shutdown_s: how long shutdown lets in-flight requests finish.
+    """
+
+    model: Path
+    speculative_config: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_batch_size: int = 8
+    max_input_len: int = 4096
+    max_kv_cache_capacity: int = 16384
+    max_queued_requests: int = 64
+    max_request_bytes: int = 16 * 1024 * 1024
+    allowed_local_media_path: Path | None = None
+    backend: str = "auto"
+    threads: int | None = None
+    graceful_shutdown_s: float = 30.0
+
+    def validate(self) -> None:
+        """Check the numbers before loading anything.
+
+        Raises:
+            ConfigError: naming the flag and the accepted range.
+        """
+        positive = ("max_batch_size", "max_input_len", "max_kv_cache_capacity", "max_request_bytes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
+            )
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if not Path(self.model).exists():
+            raise ConfigError(f"model directory {self.model} does not exist")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+
+@dataclass
+class ServeState:
+    """Everything a running server shares: settings, model, scheduler, metrics."""
+
+    config: ServeConfig
+    llm: LLM
+    scheduler: Scheduler
+    metrics: ServeMetrics
+    backend: BackendChoice
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def from_llm(cls, config: ServeConfig, llm: LLM, backend: BackendChoice | None = None):
+        """A state around an already loaded LLM (the scheduler starts with the app)."""
+        metrics = ServeMetrics(config.model_name)
+        scheduler = Scheduler(llm, config.max_batch_size, config.max_queued_requests, metrics)
+        return cls(config, llm, scheduler, metrics, backend or BackendChoice("torch", "given"))
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + generated tokens one request may reach."""
+        return min(self.llm.options.max_kv_rows, self.llm.config.max_position_embeddings)
+
+    @property
+    def spec_tokens(self) -> int:
+        spec = self.llm.speculative
+        return spec.num_speculative_tokens if spec is not None else 0
+
+
+def load_state(config: ServeConfig) -> ServeState:
+    """Validate the settings, choose the backend (logged) and load the model.
+
+    Raises:
+        ConfigError / CheckpointError / PairingError: before serving anything.
+    """
+    config.validate()
+    backend = select_backend(config.backend, Path(config.model))
+    log.info("backend: %s (%s)", backend.name, backend.reason)
+    if config.threads is not None:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    options = RuntimeOptions(
+        max_kv_rows=config.max_kv_cache_capacity, max_input_len=config.max_input_len
+    )
+    llm = LLM(
+        config.model,
+        speculative=config.speculative_config,
+        options=options,
+        backend=backend.name,
+    )
+    return ServeState.from_llm(config, llm, backend)

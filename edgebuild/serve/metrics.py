@@ -1,0 +1,143 @@
+"""Prometheus metrics of the server (GET /metrics): requests, tokens, queue, speculation, latency.
+
+Each server owns its registry (several servers can live in one process, as in the tests).
+Updated from the scheduler's worker thread (prometheus_client is thread-safe) and from the
+HTTP layer (status codes).
+
+Speculative decoding: `edgellm_spec_decode_steps_total` target passes and
+`edgellm_spec_decode_committed_tokens_total` tokens they committed give tau (mean accepted
+length, bonus included), exported directly as `edgellm_spec_decode_mean_accepted_length`;
+per draft position i (1-based), `..._draft_proposed_total{position}` and
+`..._draft_accepted_total{position}` give the acceptance rate at i, exported as
+`edgellm_spec_decode_acceptance_rate{position}`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from edgebuild.runtime.metrics import RequestMetrics
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+
+
+class ServeMetrics:
+    """All metrics of one server, in its own registry."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        self.http_responses = Counter(
+            "edgellm_http_responses",
+            "HTTP responses by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "edgellm_requests",
+            "Generation requests finished, by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "edgellm_requests_rejected",
+            "Generation requests refused before running, by status",
+            ["status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "edgellm_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "edgellm_generation_tokens", "Generated (committed) tokens", registry=r
+        )
+        self.running = Gauge("edgellm_num_requests_running", "Requests in the batch", registry=r)
+        self.waiting = Gauge("edgellm_num_requests_waiting", "Requests in the queue", registry=r)
+        self.steps = Counter("edgellm_decode_steps", "Batched decoder steps", registry=r)
+        self.spec_steps = Counter(
+            "edgellm_spec_decode_steps", "Target passes of speculative requests", registry=r
+        )
+        self.spec_committed = Counter(
+            "edgellm_spec_decode_committed_tokens",
+            "Tokens committed by those passes (accepted + bonus/correction)",
+            registry=r,
+        )
+        self.spec_tau = Gauge(
+            "edgellm_spec_decode_mean_accepted_length",
+            "tau: mean tokens committed per target pass (bonus included)",
+            registry=r,
+        )
+        self.draft_proposed = Counter(
+            "edgellm_spec_decode_draft_proposed",
+            "Drafts proposed at each position",
+            ["position"],
+            registry=r,
+        )
+        self.draft_accepted = Counter(
+            "edgellm_spec_decode_draft_accepted",
+            "Drafts accepted at each position",
+            ["position"],
+            registry=r,
+        )
+        self.acceptance = Gauge(
+            "edgellm_spec_decode_acceptance_rate",
+            "P(accepted | proposed) at each position",
+            ["position"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "edgellm_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "edgellm_e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "edgellm_request_queue_time_seconds",
+            "Arrival to admission into the batch",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._lock = threading.Lock()
+        self._spec = RequestMetrics()
+
+    def request_finished(self, reason: str, m: RequestMetrics, e2e_s: float) -> None:
+        """Count a finished (or aborted) request and fold its decoding metrics in."""
+        self.requests.labels(reason).inc()
+        self.e2e.observe(e2e_s)
+        if not m.proposed_at:
+            return
+        self.spec_steps.inc(m.steps)
+        self.spec_committed.inc(m.committed)
+        for i, (p, a) in enumerate(zip(m.proposed_at, m.accepted_at, strict=True)):
+            self.draft_proposed.labels(str(i + 1)).inc(p)
+            self.draft_accepted.labels(str(i + 1)).inc(a)
+        with self._lock:
+            self._spec = self._spec.merge(m)
+            self.spec_tau.set(self._spec.tau)
+            for i, rate in enumerate(self._spec.acceptance_by_position):
+                self.acceptance.labels(str(i + 1)).set(rate)
+
+    def queue_depth(self, waiting: int, running: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

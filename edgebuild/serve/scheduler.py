@@ -1,0 +1,366 @@
+"""Continuous batching: one worker thread owns the model; requests join and leave between steps.
+
+Threads and queues:
+
+- The asyncio side (HTTP handlers) calls :meth:`Scheduler.submit`, which appends a
+  :class:`Ticket` to the waiting deque under a lock and wakes the worker; it then awaits the
+  ticket's `asyncio.Queue`.
+- The worker thread loops: admit waiting tickets (FIFO) while the batch has room
+  (`max_batch_size`) and the KV pages of every admitted request's worst case fit the pool;
+  drop cancelled requests (freeing their pages); run one `decoder.step` over the whole batch
+  (each request keeps its own KV pages, draft context and accepted length); post the new
+  text of each request to its queue with `loop.call_soon_threadsafe`; finish and free the
+  requests that ended.
+- A full system (`max_batch_size + max_queued_requests` requests in flight) refuses new
+  requests (429). A client that goes away cancels its ticket; the worker frees its pages
+  before the next step. :meth:`Scheduler.close` cancels what is left and joins the worker.
+
+Only the worker touches the model, the KV allocators and the RequestStates, so there is no
+shared mutable model state between requests beyond the paged pools, which never share pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from edgebuild.errors import EdgebuildError
+from edgebuild.runtime.decoding import RequestState
+from edgebuild.runtime.llm import LLM
+from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.serve.errors import APIError
+from edgebuild.serve.metrics import ServeMetrics
+from edgebuild.serve.text import next_delta
+
+log = logging.getLogger("edgebuild.serve")
+
+
+@dataclass
+class Event:
+    """A message from the worker to one request.
+
+    kind: "token" (more text), "done" (finished; `text` is the last delta, `final_text` the
+    whole output) or "error" (`status`, `message`).
+    """
+
+    kind: str
+    text: str = ""
+    final_text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    status: int = 200
+    message: str = ""
+    metrics: dict = field(default_factory=dict)
+
+
+class Ticket:
+    """One submitted request as the asyncio side sees it.
+
+    Args:
+        scheduler: the owning scheduler (woken on cancel).
+        request_id: id used in responses and logs.
+        prompt_ids: prompt token ids (already checked against the limits).
+        params: sampling parameters.
+        loop: the event loop that awaits the events.
+    """
+
+    def __init__(self, scheduler, request_id, prompt_ids, params, loop):
+        self.scheduler = scheduler
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.images: list = []  # preprocessed images (vision-language models)
+        self.params: SamplingParams = params
+        self.loop: asyncio.AbstractEventLoop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = False  # set by the asyncio side, read by the worker
+        self.ended = False  # worker side: a terminal event was posted
+        self.arrival = time.perf_counter()
+        self.pages = 0  # KV pages reserved for the worst case while running
+        self._getter: asyncio.Task | None = None
+
+    def cancel(self) -> None:
+        """Ask the worker to drop this request and free its pages (idempotent)."""
+        if not self.cancelled and not self.ended:
+            self.cancelled = True
+            self.scheduler.wake()
+        if self._getter is not None:
+            self._getter.cancel()
+            self._getter = None
+
+    def post(self, event: Event) -> None:
+        """Worker side: hand `event` to the asyncio side (thread-safe)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled = True
+
+    async def events(self, is_disconnected=None, poll_s: float = 0.5):
+        """Yield events up to and including the terminal one.
+
+        Every `poll_s` without an event, `await is_disconnected()` is checked; a client that
+        went away cancels the request and ends the iteration.
+        """
+        while True:
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.queue.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=poll_s)
+            if not done:
+                if is_disconnected is not None and await is_disconnected():
+                    self.cancel()
+                    return
+                continue
+            event = self._getter.result()
+            self._getter = None
+            yield event
+            if event.kind != "token":
+                return
+
+
+@dataclass
+class _Active:
+    """Worker-side record of a running request."""
+
+    ticket: Ticket
+    state: RequestState
+    sent: str = ""
+    first_token_at: float | None = None
+
+
+class QueueFullError(APIError):
+    """Too many requests in flight (HTTP 429)."""
+
+    def __init__(self, limit: int):
+        super().__init__(
+            429,
+            f"the server is busy: {limit} requests are already running or queued "
+            "(--max-batch-size + --max-queued-requests); retry later",
+            None,
+            "queue_full",
+        )
+
+
+class Scheduler:
+    """Runs submitted requests in a continuously batched loop on one worker thread.
+
+    Args:
+        llm: the loaded model (owned by the worker once started).
+        max_batch_size: most requests stepped together.
+        max_queued_requests: most requests waiting beyond a full batch.
+        metrics: where to count requests, tokens, queue depth and latency.
+    """
+
+    def __init__(
+        self,
+        llm: LLM,
+        max_batch_size: int = 8,
+        max_queued_requests: int = 64,
+        metrics: ServeMetrics | None = None,
+    ):
+        if max_batch_size < 1 or max_queued_requests < 0:
+            raise ValueError("max_batch_size must be >= 1 and max_queued_requests >= 0")
+        self.llm = llm
+        self.max_batch_size = max_batch_size
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics or ServeMetrics("model")
+        opts = llm.options
+        self.page_size = opts.page_size
+        self.total_pages = -(-opts.max_kv_rows // opts.page_size)
+        # rows a request may hold beyond prompt + max_tokens: one draft block during a pass
+        self.spare_rows = 1 + (llm.draft.block_size if llm.draft is not None else 0)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._active: list[_Active] = []
+        self._inflight = 0
+        self._reserved_pages = 0
+        self._closing = False
+        self._ids = 0
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ asyncio side
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread = threading.Thread(target=self._run, name="edgellm-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id=None, images=None
+    ) -> Ticket:
+        """Queue a request (call from the event loop); `images`: preprocessed prompt images.
+
+        Raises:
+            QueueFullError: too many requests in flight (429).
+            APIError: 503 when the server is shutting down.
+        """
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if self._closing or not self.alive:
+                raise APIError(503, "the server is shutting down", None, "shutting_down")
+            limit = self.max_batch_size + self.max_queued_requests
+            if self._inflight >= limit:
+                self.metrics.rejected.labels("429").inc()
+                raise QueueFullError(limit)
+            self._ids += 1
+            ticket = Ticket(self, request_id or f"req-{self._ids}", prompt_ids, params, loop)
+            ticket.images = list(images or [])
+            self._waiting.append(ticket)
+            self._inflight += 1
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify()
+        return ticket
+
+    def wake(self) -> None:
+        """Wake the worker (a request was cancelled)."""
+        with self._cond:
+            self._cond.notify()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Cancel everything still queued or running (503 to its client); join the worker."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the scheduler worker did not stop within %.0f s", timeout)
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closing and not self._waiting and not self._active:
+                        self._cond.wait()
+                    if self._closing:
+                        break
+                    admitted = self._admit_locked()
+                for ticket in admitted:
+                    self._start(ticket)
+                for a in [a for a in self._active if a.ticket.cancelled]:
+                    self._end(a, None, "abort")
+                if self._active:
+                    self._step()
+                self.metrics.queue_depth(len(self._waiting), len(self._active))
+        except BaseException:
+            log.exception("the scheduler worker crashed")
+            raise
+        finally:
+            self._abort_all()
+
+    def _pages(self, ticket: Ticket) -> int:
+        rows = len(ticket.prompt_ids) + ticket.params.max_tokens + self.spare_rows
+        return min(-(-rows // self.page_size), self.total_pages)
+
+    def _admit_locked(self) -> list[Ticket]:
+        """Pop waiting tickets (FIFO) that fit the batch and the KV pool."""
+        out: list[Ticket] = []
+        while self._waiting and len(self._active) + len(out) < self.max_batch_size:
+            ticket = self._waiting[0]
+            if ticket.cancelled:
+                self._waiting.popleft()
+                self._inflight -= 1
+                ticket.ended = True
+                continue
+            need = self._pages(ticket)
+            if self._reserved_pages + need > self.total_pages:
+                break  # wait for running requests to free pages (the head keeps its turn)
+            self._waiting.popleft()
+            ticket.pages = need
+            self._reserved_pages += need
+            out.append(ticket)
+        return out
+
+    def _start(self, ticket: Ticket) -> None:
+        try:
+            state = self.llm.new_request(
+                ticket.prompt_ids, ticket.params, ticket.request_id, images=ticket.images or None
+            )
+        except EdgebuildError as exc:
+            self._release(ticket)
+            ticket.post(Event("error", status=400, message=str(exc)))
+            return
+        self.metrics.queue_time.observe(time.perf_counter() - ticket.arrival)
+        self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
+        self._active.append(_Active(ticket, state))
+
+    def _step(self) -> None:
+        """One decoder step over the batch; publish new text; end finished requests."""
+        try:
+            self.llm.decoder.step([a.state for a in self._active])
+        except Exception as exc:  # a bug or resource failure must not stop the server
+            log.exception("decoder step failed; failing the %d running requests", len(self._active))
+            for a in list(self._active):
+                self._end(a, Event("error", status=500, message=f"decoding failed: {exc}"), "error")
+            return
+        self.metrics.steps.inc()
+        now = time.perf_counter()
+        for a in list(self._active):
+            st = a.state
+            if st.new_tokens:
+                self.metrics.generation_tokens.inc(len(st.new_tokens))
+                if a.first_token_at is None:
+                    a.first_token_at = now
+                    self.metrics.ttft.observe(now - a.ticket.arrival)
+            delta = next_delta(st.stopper, a.sent)
+            a.sent += delta
+            if st.finished:
+                self._end(a, self._done_event(a, delta), st.stopper.finish_reason)
+            elif delta:
+                a.ticket.post(Event("token", text=delta))
+
+    def _done_event(self, a: _Active, delta: str) -> Event:
+        st = a.state
+        return Event(
+            "done",
+            text=delta,
+            final_text=st.stopper.final_text(),
+            finish_reason=st.stopper.finish_reason,
+            prompt_tokens=len(st.prompt_ids),
+            completion_tokens=len(st.output_ids),
+            metrics=st.metrics.to_dict(),
+        )
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._reserved_pages -= ticket.pages
+            ticket.pages = 0
+            ticket.ended = True
+
+    def _end(self, a: _Active, event: Event | None, reason: str) -> None:
+        """Free the request's pages and draft state; post its terminal event."""
+        self.llm.finish(a.state)
+        self._active.remove(a)
+        self._release(a.ticket)
+        self.metrics.request_finished(
+            reason, a.state.metrics, time.perf_counter() - a.ticket.arrival
+        )
+        if event is not None:
+            a.ticket.post(event)
+
+    def _abort_all(self) -> None:
+        shutdown = Event("error", status=503, message="the server is shutting down")
+        for a in list(self._active):
+            self._end(a, shutdown, "abort")
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for ticket in waiting:
+            self._release(ticket)
+            ticket.post(shutdown)
+        self.metrics.queue_depth(0, 0)

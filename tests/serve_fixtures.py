@@ -1,0 +1,87 @@
+"""Helpers for the server tests: uvicorn on a loopback socket in a thread, stopped by the test.
+
+The socket is bound (port 0 = a free port) before uvicorn starts, so there is no race for the
+port; `stop()` asks uvicorn to exit, which runs the app's lifespan shutdown (the scheduler's
+worker is joined) before the thread is joined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from edgebuild.serve.app import create_app
+from edgebuild.serve.config import ServeConfig, ServeState
+
+
+class ServerThread:
+    """A server for `state` on 127.0.0.1 (a free port), run by uvicorn in a daemon thread."""
+
+    def __init__(self, state: ServeState):
+        self.state = state
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(
+            create_app(state), log_level="warning", timeout_graceful_shutdown=5, lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        assert not self.thread.is_alive(), "the server thread did not stop"
+        assert not self.state.scheduler.alive
+
+
+@contextlib.contextmanager
+def serving(llm, **config):
+    """A running server over an already loaded `llm`; stopped (and joined) on exit."""
+    cfg = ServeConfig(model=Path(llm.model_dir), **config)
+    server = ServerThread(ServeState.from_llm(cfg, llm)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run with `n` torch threads (the CPU here is shared: oversubscription is very slow)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def free_pages(llm) -> tuple[int, int | None]:
+    """Free KV pages of the target (and of the draft) allocators."""
+    draft = llm.draft.allocator.free_pages if llm.draft is not None else None
+    return llm.target.allocator.free_pages, draft
