@@ -1,0 +1,150 @@
+"""Measure the example pair with the real runtime: tau, acceptance by position, losslessness.
+
+On the held-out chat prompts (``data/eval_prompts.jsonl``, topics never used in training),
+greedy, ``num_speculative_tokens`` 7, through ``edgebuild.runtime.llm.LLM``:
+
+1. BF16 target: DSpark vs target-only -> tau (bonus included), acceptance by draft position,
+   and whether every output is identical (lossless);
+2. NVFP4 target (NVFP4 lm_head, the draft borrows it): DSpark vs NVFP4 target-only, identical.
+
+Each pair writes ``eval_<pair>.json`` (the pairs can run as two processes, one thread each);
+then ``eval.json`` (both) and ``acceptance_by_position.png`` are written into ``--out``.
+
+    python -m tools.train_dspark.evaluate --draft edgebuild/data/smollm2-135m-dspark \
+        --out edgebuild/data/smollm2-135m-dspark
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from edgebuild.runtime.llm import LLM
+from edgebuild.runtime.sampling import SamplingParams
+from tools.train_dspark.prompts import DATA_DIR, read_jsonl
+
+
+def run_pair(target: Path, draft: Path, prompts: list[str], args) -> dict:
+    """DSpark and target-only on the same LLM (same weights); batched in chunks."""
+    spec = {
+        "method": "dspark",
+        "model": str(draft),
+        "num_speculative_tokens": args.n,
+        "draft_top_k": args.top_k,
+    }
+    llm = LLM(target, speculative=spec)
+    from edgebuild.runtime.decoding import TargetOnlyDecoder
+
+    spec_decoder, base_decoder = llm.decoder, TargetOnlyDecoder(llm.target)
+    ids = [llm.encode(p, chat=True) for p in prompts]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    out: dict = {"target": str(target), "prompts": len(prompts)}
+    results = {}
+    for name, decoder in (("dspark", spec_decoder), ("target_only", base_decoder)):
+        llm.decoder = decoder
+        t0, states = time.perf_counter(), []
+        for i in range(0, len(ids), args.batch):
+            states += llm.generate_ids(ids[i : i + args.batch], params)
+            print(f"  {target.name} {name}: {len(states)}/{len(ids)}", flush=True)
+        wall = time.perf_counter() - t0
+        total = states[0].metrics
+        for st in states[1:]:
+            total = total.merge(st.metrics)
+        results[name] = states
+        out[name] = {**total.to_dict(), "wall_s": round(wall, 1)}
+    llm.decoder = spec_decoder
+    same = [
+        a.output_ids == b.output_ids
+        for a, b in zip(results["dspark"], results["target_only"], strict=True)
+    ]
+    out["identical_outputs"] = sum(same)
+    out["lossless"] = all(same)
+    out["speedup_decode"] = round(
+        out["dspark"]["decode_tokens_per_s"] / max(out["target_only"]["decode_tokens_per_s"], 1e-9),
+        3,
+    )
+    out["samples"] = [
+        {"prompt": p, "text": st.stopper.final_text()}
+        for p, st in list(zip(prompts, results["dspark"], strict=True))[:3]
+    ]
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    for key, label in (("bf16", "BF16 target"), ("nvfp4", "NVFP4 target")):
+        if key not in report:
+            continue
+        acc = report[key]["dspark"]["acceptance_by_position"]
+        tau = report[key]["dspark"]["tau"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{label} (tau {tau:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | proposed)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"SmolLM2-135M DSpark draft, {report['prompts']} held-out prompts, greedy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+PAIRS = {"bf16": "BF16 target", "nvfp4": "NVFP4 target"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, default=Path("examples/smollm2-135m"))
+    ap.add_argument("--nvfp4-target", type=Path, default=Path("examples/smollm2-135m-nvfp4"))
+    ap.add_argument("--draft", type=Path, default=Path("edgebuild/data/smollm2-135m-dspark"))
+    ap.add_argument("--prompts", type=Path, default=DATA_DIR / "eval_prompts.jsonl")
+    ap.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["bf16", "nvfp4"])
+    ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--n", type=int, default=7)
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--report-only", action="store_true", help="Merge eval_*.json, plot.")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts = [r["prompt"] for r in read_jsonl(args.prompts)]
+    if args.limit:
+        prompts = prompts[: args.limit]
+    targets = {"bf16": args.target, "nvfp4": args.nvfp4_target}
+    for pair in [] if args.report_only else args.pairs:
+        t0 = time.perf_counter()
+        result = run_pair(targets[pair], args.draft, prompts, args)
+        result.update(
+            prompt_file=str(args.prompts),
+            max_tokens=args.max_tokens,
+            num_speculative_tokens=args.n,
+            draft_top_k=args.top_k,
+            greedy=True,
+            eval_wall_s=round(time.perf_counter() - t0, 1),
+        )
+        (args.out / f"eval_{pair}.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in result.items() if k != "samples"}), flush=True)
+    report = {}
+    for pair in PAIRS:
+        path = args.out / f"eval_{pair}.json"
+        if path.is_file():
+            report[pair] = json.loads(path.read_text())
+    report["prompts"] = max((r["prompts"] for r in report.values()), default=0)
+    (args.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out / "acceptance_by_position.png")
+    print(f"wrote {args.out / 'eval.json'} and acceptance_by_position.png", flush=True)
+
+
+if __name__ == "__main__":
+    main()
