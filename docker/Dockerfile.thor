@@ -33,6 +33,8 @@ RUN cmake -S plugins -B build/plugins -DCMAKE_BUILD_TYPE=Release \
     && install -m 0755 build/plugins/libedgebuild_plugins.so \
         build/plugins/libedgebuild_attention_host.so /usr/local/lib/ \
     && ldconfig
+# doctor, the engine builder and the TensorRT runtime backend find the plugin here.
+ENV EDGEBUILD_PLUGIN_LIB=/usr/local/lib/libedgebuild_plugins.so
 
 # TensorRT's Python bindings come with the base image; edgebuild on top of them.
 RUN python3 -m pip install --no-cache-dir . \
