@@ -127,6 +127,12 @@ def doctor() -> None:
 @click.option("--compare", is_flag=True, help="Also run target-only and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch intra-op threads for the CPU backend (default: torch's choice).",
+)
+@click.option(
     "--backend",
     type=click.Choice(BACKENDS),
     default="auto",
@@ -135,12 +141,16 @@ def doctor() -> None:
 )
 @_friendly
 def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec, compare, as_json,
-        backend):  # fmt: skip
+        threads, backend):  # fmt: skip
     """Generate with MODEL (a checkpoint or a bundle; DSpark with --speculative-config)."""
     from edgebuild.runtime.llm import LLM
     from edgebuild.runtime.sampling import SamplingParams
     from edgebuild.runtime.select import select_backend
 
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
