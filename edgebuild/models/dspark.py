@@ -40,7 +40,14 @@ from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.quant import QuantizedWeight, is_quant_aux_tensor
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError, ConfigError, PairingError
-from edgebuild.models.common import PagedBatch, RMSNorm, attention, check_shape, dense
+from edgebuild.models.common import (
+    PagedBatch,
+    RMSNorm,
+    attention,
+    check_shape,
+    dense,
+    layer_linear_shapes,
+)
 from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
 
 log = logging.getLogger("edgebuild.models")
@@ -994,15 +1001,7 @@ def expected_shapes(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for layer in range(cfg.num_hidden_layers):
         p = f"layers.{layer}"
-        linears = {
-            "self_attn.q_proj": (hq * hd, d),
-            "self_attn.k_proj": (hkv * hd, d),
-            "self_attn.v_proj": (hkv * hd, d),
-            "self_attn.o_proj": (d, hq * hd),
-            "mlp.gate_proj": (i, d),
-            "mlp.up_proj": (i, d),
-            "mlp.down_proj": (d, i),
-        }
+        linears = layer_linear_shapes(d, hq, hkv, hd, i)
         for name, shape in linears.items():
             out[f"{p}.{name}.weight"] = shape
             if cfg.attention_bias and name.startswith("self_attn."):

@@ -20,7 +20,14 @@ from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.quant import QuantizedWeight, quant_tensor_suffixes
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError
-from edgebuild.models.common import PagedBatch, RMSNorm, attention, check_shape, dense
+from edgebuild.models.common import (
+    PagedBatch,
+    RMSNorm,
+    attention,
+    check_shape,
+    dense,
+    layer_linear_shapes,
+)
 from edgebuild.models.vision import VISION_PREFIX
 from edgebuild.ops.mrope import mrope_cos_sin_rows
 from edgebuild.ops.rope import rope_cos_sin_table
@@ -266,15 +273,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}"
-        linears = {
-            "self_attn.q_proj": (hq * hd, d),
-            "self_attn.k_proj": (hkv * hd, d),
-            "self_attn.v_proj": (hkv * hd, d),
-            "self_attn.o_proj": (d, hq * hd),
-            "mlp.gate_proj": (i, d),
-            "mlp.up_proj": (i, d),
-            "mlp.down_proj": (d, i),
-        }
+        linears = layer_linear_shapes(d, hq, hkv, hd, i)
         for name, shape in linears.items():
             out[f"{p}.{name}.weight"] = shape
         if cfg.attention_bias:
