@@ -243,13 +243,19 @@ def quantize(ckpt: Path, quant: str, lm_head: str | None, out: Path) -> None:
 
 
 # ---------------------------------------------------------------------- build / verify
-_BUILD_FLAGS = ("max_batch_size", "max_input_len", "max_kv_cache_capacity", "page_size")
+_BUILD_FLAGS = (
+    "max_batch_size",
+    "max_input_len",
+    "max_kv_cache_capacity",
+    "page_size",
+    "max_image_tokens",
+    "max_images",
+)
 
 
 @main.command()
 @click.argument("source", type=click.Path(path_type=Path, exists=True))
 @click.option("--draft", type=click.Path(path_type=Path, exists=True), help="DSpark draft.")
-@click.option("--visual", type=click.Path(path_type=Path), help="Vision encoder (not yet).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Bundle dir.")
 @click.option("--onnx-only", is_flag=True, help="Stop after the ONNX graphs.")
 @click.option("--portable", is_flag=True, help="Standard-op graphs (no plugin nodes).")
@@ -259,6 +265,19 @@ _BUILD_FLAGS = ("max_batch_size", "max_input_len", "max_kv_cache_capacity", "pag
 @click.option("--max-input-len", type=int, default=None)
 @click.option("--max-kv-cache-capacity", type=int, default=None)
 @click.option("--page-size", type=int, default=None)
+@click.option(
+    "--max-image-tokens",
+    type=int,
+    default=None,
+    help="VLM targets: image tokens per vision pass the visual engine accepts "
+    "(recipe key build.max_image_tokens, same default).",
+)
+@click.option(
+    "--max-images",
+    type=int,
+    default=None,
+    help="VLM targets: images per vision pass (recipe key build.max_images, same default).",
+)
 @click.option("--num-speculative-tokens", type=int, default=None)
 @click.option("--draft-top-k", type=int, default=None)
 @click.option("--builder", type=click.Choice(["tensorrt", "tensorrt_rtx"]), default="tensorrt")
@@ -273,15 +292,17 @@ _BUILD_FLAGS = ("max_batch_size", "max_input_len", "max_kv_cache_capacity", "pag
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--no-progress", is_flag=True)
 @_friendly
-def build(source, draft, visual, out, onnx_only, portable, builder, plugin_library, timing_cache,
+def build(source, draft, out, onnx_only, portable, builder, plugin_library, timing_cache,
           dtype, force, no_progress, **flags):  # fmt: skip
-    """Build a bundle from SOURCE: a recipe (.yaml) or a target checkpoint (+ --draft, flags)."""
+    """Build a bundle from SOURCE: a recipe (.yaml) or a target checkpoint (+ --draft, flags).
+
+    A vision-language target (its config.json has a vision_config) also gets the `visual`
+    role: its vision tower, exported from the same checkpoint into BUNDLE/visual/.
+    """
     from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
     from edgebuild.errors import ConfigError
     from edgebuild.recipe import load_recipe
 
-    if visual is not None:
-        raise ConfigError("--visual: exporting the vision encoder is not implemented yet")
     given = {k: v for k, v in flags.items() if v is not None}
     if source.is_file():
         if given or draft is not None:

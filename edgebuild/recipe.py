@@ -8,7 +8,8 @@ A recipe is a small YAML file (``recipes/*.yaml``)::
     speculative: {method: dspark, num_speculative_tokens: 7, draft_top_k: 16,
                   confidence_threshold: 0.0}
     build: {device: thor, precision: bf16, max_batch_size: 1, max_input_len: 2048,
-            max_kv_cache_capacity: 4096, page_size: 32}
+            max_kv_cache_capacity: 4096, page_size: 32,
+            max_image_tokens: 1024, max_images: 4}   # the last two: VLM targets only
 
 :func:`load_recipe` parses it (unknown keys and wrong types are refused, naming the field);
 :meth:`Recipe.validate` checks the settings together (device vs precision, KV capacity vs
@@ -79,12 +80,32 @@ class SpeculativeSettings(_Strict):
 
 
 class BuildSettings(_Strict):
+    """The ``build:`` section: target device, precision and the shapes the engines accept.
+
+    Attributes:
+        device, precision: see :class:`Device`, :class:`Precision`.
+        max_batch_size: sequences per engine call.
+        max_input_len: longest prompt in tokens (image tokens included).
+        max_kv_cache_capacity: KV rows per sequence (prompt + generated + one verify block).
+        page_size: rows per KV page (power of two <= 256).
+        max_image_tokens: language-model tokens of all images of one vision pass (one
+            request), i.e. merged patches; the ``visual`` engine accepts up to
+            ``spatial_merge_size^2 * max_image_tokens`` patches. Used only when the target is
+            a vision-language model; at most ``max_input_len`` (checked at build time). The
+            full-attention blocks' scratch memory grows as ``max_images * (4 *
+            max_image_tokens)^2`` fp32 values per head for a 2x2 merge: keep it as small as
+            the images need (1024 tokens = one 896 x 896 image with Qwen2.5-VL).
+        max_images: images in one vision pass (the engine's segment axis), <= max_image_tokens.
+    """
+
     device: Device
     precision: Precision
     max_batch_size: int = 1
     max_input_len: int = 2048
     max_kv_cache_capacity: int = 4096
     page_size: int = 32
+    max_image_tokens: int = 1024
+    max_images: int = 4
 
 
 class Recipe(_Strict):
@@ -123,9 +144,17 @@ class Recipe(_Strict):
                 f"{b.precision.value.upper()} tensor cores",
                 f"use one of {ok} on {b.device.value}, or build for device 'thor' (sm_110)",
             )
-        for name in ("max_batch_size", "max_input_len", "max_kv_cache_capacity", "page_size"):
+        positive = ("max_batch_size", "max_input_len", "max_kv_cache_capacity", "page_size")
+        for name in (*positive, "max_image_tokens", "max_images"):
             if getattr(b, name) < 1:
                 self._fail(f"build.{name}", f"is {getattr(b, name)}", "use a positive integer")
+        if b.max_images > b.max_image_tokens:
+            self._fail(
+                "build.max_images",
+                f"is {b.max_images}, more than build.max_image_tokens ({b.max_image_tokens}); "
+                "every image takes at least one token",
+                f"lower it to at most {b.max_image_tokens} or raise build.max_image_tokens",
+            )
         if b.page_size & (b.page_size - 1) or b.page_size > 256:
             self._fail(
                 "build.page_size", f"is {b.page_size}", "use a power of two <= 256 (e.g. 32)"

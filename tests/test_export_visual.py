@@ -1,6 +1,7 @@
-"""The `visual` role exports the vision tower to a standard-op ONNX graph that onnxruntime runs
-to the torch tower's output (<= 1e-4, fp32) for image sets of other sizes and counts than the
-traced example (dynamic patch, token, segment and window axes)."""
+"""The `visual` role exports the vision tower (traced on meta weights, weights streamed from the
+checkpoint) to a standard-op ONNX graph that onnxruntime runs to the torch tower's output
+(<= 1e-4, fp32) for image sets of other sizes and counts than the traced example (dynamic
+patch, token, segment and window axes). The bundle side is in test_bundle_visual.py."""
 
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from edgebuild.export.visual import export_visual
+    from edgebuild.export import ExportOptions, export_visual
 
     root = tmp_path_factory.mktemp("visual")
     ckpt = write_tiny_vlm(root / "vlm")
-    path = export_visual(WeightSource(ckpt), root / "bundle" / "visual")
-    return ckpt, path
+    options = ExportOptions(dtype="float32")
+    exported = export_visual(WeightSource(ckpt), root / "bundle" / "visual", options)
+    assert exported.role == "visual" and exported.kind.value == "portable"
+    return ckpt, exported.onnx_path
 
 
 def test_the_role_directory_holds_graph_weights_and_configs(exported):

@@ -5,11 +5,15 @@ Stages, each finished before the next starts:
 1. **Validate** (:func:`plan_build`): open the checkpoints, parse and check the target, pair
    the draft with it (hidden size, vocab, taps, mask id, heads, fc width, block size), check
    the recipe's precision against the stored formats and the device (NVFP4 / FP8 weights on
-   Orin are refused). Nothing is exported before all of this passes.
-2. **Export** (:mod:`edgebuild.export`): ``base`` (with the draft's taps) and ``draft`` graphs
-   into a temporary directory next to the output, weights streamed layer by layer.
-3. **Engines** (:mod:`edgebuild.engine`): unless ``onnx_only``; without TensorRT the build
-   stops after ONNX and says so (the manifest records why no engine was built).
+   Orin are refused); for a vision-language target (config with ``vision_config``) check its
+   ``visual.*`` tensors and ``build.max_image_tokens``. Nothing is exported before all of
+   this passes.
+2. **Export** (:mod:`edgebuild.export`): ``base`` (with the draft's taps), ``draft`` and, for a
+   VLM target, ``visual`` (the vision tower, always standard ops) graphs into a temporary
+   directory next to the output, weights streamed tensor by tensor.
+3. **Engines** (:mod:`edgebuild.engine`): unless ``onnx_only``, one per role (the ``visual``
+   profile from ``max_image_tokens`` / ``max_images``); without TensorRT the build stops
+   after ONNX and says so (the manifest records why no engine was built).
 4. **Bundle**: configs and tokenizer files copied, ``manifest.json`` written last, then the
    temporary directory is renamed to the output. An interrupted build leaves only a
    ``.NAME.partial-*`` directory without a manifest, which nothing accepts as a bundle.
@@ -41,6 +45,7 @@ from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.quant import QuantAlgo
 from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
 from edgebuild.errors import BundleError, ConfigError, MissingDependencyError
+from edgebuild.models.vision import VISION_PREFIX, VisionConfig
 from edgebuild.recipe import BuildSettings, ModelRef, Precision, Recipe, SpeculativeSettings
 
 log = logging.getLogger("edgebuild.bundle")
@@ -94,7 +99,11 @@ class BuildOptions:
 
 @dataclass
 class BuildPlan:
-    """Everything validated in stage 1 (sources opened, configs parsed)."""
+    """Everything validated in stage 1 (sources opened, configs parsed).
+
+    ``vision`` is the target's vision tower config when it is a VLM (the bundle then gets a
+    ``visual`` role), else None.
+    """
 
     recipe: Recipe
     target: WeightSource
@@ -104,6 +113,7 @@ class BuildPlan:
     weights: str  # WeightMode value
     dtype: str | None
     formats: tuple[str, ...]
+    vision: VisionConfig | None = None
 
 
 def _formats(source: WeightSource) -> set[QuantAlgo]:
@@ -173,9 +183,11 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
     """Stage 1: open and validate everything before any export work.
 
     Raises:
-        CheckpointError / PairingError / QuantFormatError: bad or mismatched checkpoints.
+        CheckpointError / PairingError / QuantFormatError: bad or mismatched checkpoints
+            (a VLM target's ``visual.*`` tensors included).
         ConfigError: precision vs stored formats, NVFP4 / FP8 on Orin, block size, an rnn
-            Markov head (no engine form), a builder that cannot take the graphs.
+            Markov head (no engine form), a builder that cannot take the graphs, a VLM
+            target's ``build.max_image_tokens`` above ``build.max_input_len``.
     """
     from edgebuild.engine import BUILDERS, check_device_formats
     from edgebuild.export.exporter import meta_draft, meta_target
@@ -191,6 +203,7 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
     target = WeightSource(recipe.resolve(recipe.target), COMPONENT)
     tcfg = ModelConfig.from_dict(target.config, source=str(target.config_path))
     meta_target(target, torch.float32)  # checks every tensor against the config
+    vision = _plan_visual(recipe, target, tcfg)
     formats = _formats(target)
     weights, dtype = "native", options.dtype or _PRECISION_DTYPE.get(b.precision)
     if b.precision in _PRECISION_FORMATS:
@@ -235,7 +248,26 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         weights,
         dtype,
         tuple(sorted(f.value for f in formats)),
+        vision,
     )
+
+
+def _plan_visual(recipe: Recipe, target: WeightSource, tcfg: ModelConfig) -> VisionConfig | None:
+    """A VLM target's vision config, its ``visual.*`` tensors and image limits checked."""
+    from edgebuild.export.visual import meta_visual
+
+    if tcfg.vision_config is None:
+        return None
+    vision = meta_visual(target, torch.float32).config
+    b = recipe.build
+    if b.max_image_tokens > b.max_input_len:
+        raise ConfigError(
+            f"{recipe.source}: field 'build.max_image_tokens' is {b.max_image_tokens}, more than "
+            f"build.max_input_len ({b.max_input_len}), but image tokens are prompt tokens of "
+            f"the VLM target {target.path}; fix: lower build.max_image_tokens to at most "
+            f"{b.max_input_len} or raise build.max_input_len"
+        )
+    return vision
 
 
 # ----------------------------------------------------------------------------- progress
@@ -311,6 +343,7 @@ def _staging(out: Path, force: bool) -> Iterator[Path]:
 
 
 def _role_entry(exported, role: str) -> dict:
+    """The manifest's ``roles.<role>``: files, graph kind, dtype, I/O and weight provenance."""
     return {
         "onnx": f"{role}/{exported.onnx_path.name}",
         "onnx_data": f"{role}/{exported.data_path.name}",
@@ -353,12 +386,31 @@ def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progre
         shutil.copyfile(plan.pair.draft.config_path, tmp / "draft" / "config.json")
         roles["draft"] = _role_entry(draft, "draft")
         roles["draft"]["top_k"] = int(draft.metadata["edgebuild.top_k"])
+    if plan.vision is not None:
+        roles["visual"] = _export_visual(plan, opts, tmp, progress)
     return {"roles": roles, "export": opts.to_json()}
+
+
+def _export_visual(plan: BuildPlan, opts, tmp: Path, progress: _Progress) -> dict:
+    """The ``visual`` role of a VLM target (graph, weights, config.json, preprocessor config)."""
+    from edgebuild.export import export_visual
+
+    nbytes = sum(
+        plan.target.info(n).nbytes for n in plan.target.names() if n.startswith(VISION_PREFIX)
+    )
+    progress.stage("export visual", nbytes)
+    visual = export_visual(plan.target, tmp / "visual", opts, progress.advance)
+    progress.done()
+    entry = _role_entry(visual, "visual")
+    pre = tmp / "visual" / "preprocessor_config.json"
+    entry["preprocessor_config"] = f"visual/{pre.name}" if pre.is_file() else None
+    entry["vision"] = json.loads(visual.metadata["edgebuild.vision"])
+    return entry
 
 
 def _engines(plan: BuildPlan, options: BuildOptions, tmp: Path, roles: dict, progress) -> dict:
     """Stage 3; returns the manifest's ``engines`` entry (status says why none were built)."""
-    from edgebuild.engine import ENGINE_NAME, build_engine, load_tensorrt
+    from edgebuild.engine import ENGINE_NAME, VisualGeometry, build_engine, load_tensorrt
 
     if options.onnx_only:
         return {"status": "not built: --onnx-only"}
@@ -387,6 +439,7 @@ def _engines(plan: BuildPlan, options: BuildOptions, tmp: Path, roles: dict, pro
             needs_plugin=entry["graph_kind"] == "plugin",
             plugin_library=library,
             timing_cache=options.timing_cache,
+            visual=VisualGeometry.from_role(entry) if role == "visual" else None,
         )
         progress.done()
         entry["engine"] = f"{role}/{ENGINE_NAME}"

@@ -6,12 +6,16 @@ A bundle is a directory::
       manifest.json              written last; its presence marks a complete bundle
       base/model.onnx            target graph (+ model.onnx.data, config.json, model.engine)
       draft/model.onnx           DSpark draft graph (when the build had a draft)
+      visual/model.onnx          vision tower graph (when the target is a VLM; + model.onnx.data,
+                                 config.json, preprocessor_config.json, model.engine)
       tokenizer.json ...         the target's tokenizer files and chat template
 
 ``manifest.json`` (format ``edgebuild-bundle``, version :data:`FORMAT_VERSION`) records the
-roles and their I/O, the build settings, the plugin (name, version, library), the source
-checkpoints with the sha256 and size of every file that defines them (weights, configs), the
-DSpark fields, the tokenizer files, and the sha256 and size of every file of the bundle.
+roles (``base``, ``draft``, ``visual``) with their files and I/O, the build settings, the
+plugin (name, version, library), the source checkpoints with the sha256 and size of every file
+that defines them (weights, configs), the DSpark fields, the vision fields
+(``roles.visual.vision``), the tokenizer files, and the sha256 and size of every file of the
+bundle.
 It holds no timestamps and no temporary paths and is written with sorted keys, so building
 twice from the same inputs gives the same bytes.
 
@@ -35,6 +39,7 @@ MANIFEST_NAME = "manifest.json"
 CHECKPOINT_FILES = (
     "config.json",
     "hf_quant_config.json",
+    "preprocessor_config.json",  # a VLM's image preprocessing (the visual role copies it)
     "model.safetensors.index.json",
     "pytorch_model.bin.index.json",
 )
@@ -135,7 +140,7 @@ def _check_files(bundle: Path, manifest: dict) -> list[str]:
                 f"{str(record.get('sha256'))[:16]}...: the file changed after the build"
             )
     for role, entry in sorted((manifest.get("roles") or {}).items()):
-        for key in ("onnx", "onnx_data", "config", "engine"):
+        for key in ("onnx", "onnx_data", "config", "preprocessor_config", "engine"):
             rel = entry.get(key)
             if rel and rel not in files:
                 problems.append(f"roles.{role}.{key} = {rel!r} is not in the manifest's files")

@@ -1,13 +1,14 @@
 """ONNX -> serialized TensorRT engines (TensorRT imported lazily).
 
 Public API: :func:`build_engine`, :func:`profiles`, :func:`axis_ranges`,
-:func:`load_tensorrt`, :func:`check_device_formats`, :data:`ENGINE_NAME`, :data:`BUILDERS`.
+:func:`visual_axis_ranges` + :class:`VisualGeometry` (the ``visual`` role), :func:`load_tensorrt`, :func:`check_device_formats`, :data:`ENGINE_NAME`, :data:`BUILDERS`.
 """
 
 from edgebuild.engine.builder import (
     BUILDERS,
     ENGINE_NAME,
     EngineReport,
+    VisualGeometry,
     axis_ranges,
     build_engine,
     check_device_formats,
@@ -15,12 +16,14 @@ from edgebuild.engine.builder import (
     load_tensorrt,
     local_sm,
     profiles,
+    visual_axis_ranges,
 )
 
 __all__ = [
     "BUILDERS",
     "ENGINE_NAME",
     "EngineReport",
+    "VisualGeometry",
     "axis_ranges",
     "build_engine",
     "check_device_formats",
@@ -28,4 +31,5 @@ __all__ = [
     "load_tensorrt",
     "local_sm",
     "profiles",
+    "visual_axis_ranges",
 ]

@@ -14,7 +14,10 @@ Networks are strongly typed (the ONNX graph's dtypes are the engine's dtypes; NV
 weights come as DequantizeLinear chains). Optimization profiles come from the recipe's
 ``build`` settings and the graph's named axes (:func:`profiles`): the ``base`` engine gets a
 ``prefill`` profile (up to ``max_input_len`` rows) and a ``generate`` profile (decode and
-verify, up to ``num_speculative_tokens + 1`` rows); the ``draft`` engine one profile.
+verify, up to ``num_speculative_tokens + 1`` rows); the ``draft`` engine one profile; the
+``visual`` engine (vision tower of a VLM) one profile over its patch, token, segment and
+window axes, from ``max_image_tokens`` / ``max_images`` and the tower's
+:class:`VisualGeometry` (:func:`visual_axis_ranges`).
 """
 
 from __future__ import annotations
@@ -90,25 +93,85 @@ def axis_ranges(
     }
 
 
+@dataclass(frozen=True)
+class VisualGeometry:
+    """What the ``visual`` engine's axis ranges need from the vision tower.
+
+    Attributes:
+        merge_unit: patches merged into one token (``spatial_merge_size ** 2``, 4 for 2x2).
+        window_tokens: tokens in one full attention window of the windowed blocks.
+    """
+
+    merge_unit: int
+    window_tokens: int
+
+    @classmethod
+    def from_role(cls, entry: dict) -> VisualGeometry:
+        """From a manifest's ``roles.visual`` entry (its ``vision`` fields).
+
+        Raises:
+            ConfigError: the entry records no (or non-positive) ``vision.merge_unit`` /
+                ``vision.window_tokens``.
+        """
+        vision = entry.get("vision") or {}
+        values = [vision.get(k) for k in ("merge_unit", "window_tokens")]
+        if not all(isinstance(v, int) and v > 0 for v in values):
+            raise ConfigError(
+                f"roles.visual.vision records merge_unit {values[0]!r} and window_tokens "
+                f"{values[1]!r}; rebuild the bundle with `edgebuild build`"
+            )
+        return cls(*values)
+
+
+def visual_axis_ranges(build: BuildSettings, geometry: VisualGeometry) -> dict[str, tuple]:
+    """(min, opt, max) of the ``visual`` graph's axes (:meth:`VisualGraph.io`).
+
+    ``T = max_image_tokens``, ``u = merge_unit``, ``w = window_tokens``: ``tokens`` 1..T,
+    ``patches`` u..u*T, ``full_segments`` (images) 1..max_images, ``full_len`` (patches of the
+    largest image) u..u*T, ``windows`` 1..T (a window holds at least one token),
+    ``window_len`` u..u*min(w, T). Optimum: one image of T tokens.
+    """
+    t, u = build.max_image_tokens, geometry.merge_unit
+    window = u * min(geometry.window_tokens, t)
+    return {
+        "tokens": (1, t, t),
+        "patches": (u, u * t, u * t),
+        "full_segments": (1, 1, build.max_images),
+        "full_len": (u, u * t, u * t),
+        "windows": (1, -(-t // geometry.window_tokens), t),
+        "window_len": (u, window, window),
+    }
+
+
 def profile_names(role: str) -> tuple[str, ...]:
     """``base``: prefill + generate (decode / verify); other roles: one profile."""
     return ("prefill", "generate") if role == "base" else ("all",)
 
 
 def profiles(
-    role: str, inputs: Sequence, build: BuildSettings, num_speculative_tokens: int
+    role: str,
+    inputs: Sequence,
+    build: BuildSettings,
+    num_speculative_tokens: int,
+    visual: VisualGeometry | None = None,
 ) -> list[dict[str, tuple]]:
     """One ``{input: (min_shape, opt_shape, max_shape)}`` dict per optimization profile.
 
     ``inputs`` are the graph's :class:`~edgebuild.export.graphs.TensorSpec` s (or dicts with
-    ``name`` / ``dims``); static dims stay fixed, named axes take :func:`axis_ranges`.
+    ``name`` / ``dims``); static dims stay fixed, named axes take :func:`axis_ranges` (the
+    ``visual`` role: :func:`visual_axis_ranges` with ``visual``).
 
     Raises:
-        ConfigError: an input axis without a range.
+        ConfigError: an input axis without a range; the ``visual`` role without ``visual``.
     """
+    if role == "visual" and visual is None:
+        raise ConfigError("the visual engine's profile needs the tower's VisualGeometry")
     out = []
     for profile in profile_names(role):
-        ranges = axis_ranges(build, num_speculative_tokens, profile)
+        if role == "visual":
+            ranges = visual_axis_ranges(build, visual)
+        else:
+            ranges = axis_ranges(build, num_speculative_tokens, profile)
         shapes = {}
         for spec in inputs:
             name, dims = (
@@ -233,13 +296,14 @@ def build_engine(
     needs_plugin: bool = False,
     plugin_library: Path | None = None,
     timing_cache: Path | None = None,
+    visual: VisualGeometry | None = None,
 ) -> EngineReport:
     """Parse ``onnx_path`` and write a serialized engine to ``engine_path``.
 
     Args:
         onnx_path: ``model.onnx`` (its external data next to it).
         engine_path: where the engine goes (written via a temporary file + rename).
-        role: ``base`` or ``draft`` (selects the profiles).
+        role: ``base``, ``draft`` or ``visual`` (selects the profiles).
         inputs: the graph's input specs.
         build: the recipe's build settings (shapes the engine must accept, device).
         num_speculative_tokens: drafts per step (verify calls have one more row).
@@ -248,6 +312,7 @@ def build_engine(
         plugin_library: the plugin ``.so`` (real TensorRT only).
         timing_cache: a file read (when present) and updated after the build (real TensorRT;
             TensorRT-RTX has no timing cache).
+        visual: the vision tower's geometry (required for the ``visual`` role).
 
     Raises:
         MissingDependencyError: no TensorRT, or a plugin graph without the library.
@@ -270,7 +335,7 @@ def build_engine(
     network = trt_builder.create_network(flags)
     _parse(trt, network, logger, Path(onnx_path))
     config = trt_builder.create_builder_config()
-    shapes = profiles(role, inputs, build, num_speculative_tokens)
+    shapes = profiles(role, inputs, build, num_speculative_tokens, visual)
     for shape in shapes:
         profile = trt_builder.create_optimization_profile()
         for name, (lo, opt, hi) in shape.items():

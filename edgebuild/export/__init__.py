@@ -1,6 +1,7 @@
-"""torch -> ONNX per engine role (``base``, ``draft``), with the attention plugin node.
+"""torch -> ONNX per engine role (``base``, ``draft``, ``visual``), with the attention plugin node.
 
-Public API: :func:`export_base`, :func:`export_draft`, :class:`ExportOptions`,
+Public API: :func:`export_base`, :func:`export_draft`, :func:`export_visual` (the vision tower
+of a VLM, :mod:`edgebuild.export.visual`), :class:`ExportOptions`,
 :class:`GraphKind` (plugin / portable), :class:`WeightMode` (native / dense),
 :class:`ExportedGraph`. See :mod:`edgebuild.export.exporter` for the flow,
 :mod:`edgebuild.export.graphs` for each role's inputs and outputs,
@@ -18,6 +19,7 @@ from edgebuild.export.exporter import (
     export_draft,
 )
 from edgebuild.export.graphs import GraphKind, TensorSpec
+from edgebuild.export.visual import export_visual, vision_fields
 from edgebuild.export.weights import WeightMode
 
 __all__ = [
@@ -31,4 +33,6 @@ __all__ = [
     "dspark_fields",
     "export_base",
     "export_draft",
+    "export_visual",
+    "vision_fields",
 ]

@@ -1,6 +1,7 @@
 """torch -> ONNX per engine role: trace on meta weights, translate attention, stream weights.
 
-Flow of :func:`export_graph` (used by :func:`export_base` and :func:`export_draft`):
+Flow of :func:`export_graph` (used by :func:`export_base`, :func:`export_draft` and
+:func:`edgebuild.export.visual.export_visual`):
 
 1. Build the role's model on the ``meta`` device (no memory) and wrap it in its graph module
    (:mod:`edgebuild.export.graphs`).
@@ -105,7 +106,7 @@ class ExportedGraph:
     """One exported role: its files, I/O and provenance.
 
     Attributes:
-        role: ``base`` or ``draft``.
+        role: ``base``, ``draft`` or ``visual``.
         onnx_path, data_path: ``model.onnx`` and its external data file.
         inputs, outputs: engine I/O (names, dtypes, dims).
         kind: plugin or portable.
@@ -242,7 +243,7 @@ def _save(model, path: Path) -> None:
 
 
 def export_graph(
-    graph: BaseGraph | DraftGraph,
+    graph: torch.nn.Module,
     entries: dict,
     out_dir: Path,
     sources: list[WeightSource],
@@ -252,6 +253,11 @@ def export_graph(
     aliases: dict[str, str] | None = None,
 ) -> ExportedGraph:
     """Export one role graph into ``out_dir`` (``model.onnx`` + ``model.onnx.data``).
+
+    ``graph`` is a role module (:class:`BaseGraph`, :class:`DraftGraph`,
+    :class:`~edgebuild.export.visual.VisualGraph`) with meta weights and the ``role`` / ``kind``
+    / ``dtype`` / ``io()`` / ``example_inputs()`` / ``dynamic_shapes()`` surface; ``entries``
+    maps each of its initializers to the checkpoint tensor that fills it.
 
     ``aliases`` maps an initializer to the one it shares storage with (a tied head:
     ``lm_head.weight`` -> ``model.embed_tokens.weight``): the graph then holds one copy.

@@ -1,42 +1,56 @@
 """The ``visual`` engine role: the Qwen2.5-VL vision tower as a standard-op ONNX graph.
 
-The vision phase has no KV cache, so the graph needs no plugin: patch embedding (MatMul),
-2-D RoPE from a per-patch cos/sin input, segment attention (Gather / MatMul / Where /
-Softmax) and the merger. Everything that depends on the image grids is computed on the host
-by :class:`edgebuild.models.vision.VisionPlan` and fed as graph inputs (``io()`` below), so
-one engine serves any number and size of images within its optimization profile.
+The vision phase has no KV cache, so the graph needs no plugin, whatever the build's graph
+kind: patch embedding (MatMul), 2-D RoPE from a per-patch cos/sin input, segment attention
+(Gather / MatMul / Where / Softmax) and the merger. Everything that depends on the image grids
+is computed on the host by :class:`edgebuild.models.vision.VisionPlan` and fed as graph inputs
+(:meth:`VisualGraph.io`, :func:`plan_inputs`), so one engine serves any number and size of
+images within its optimization profile (:func:`edgebuild.engine.visual_axis_ranges`, from the
+recipe's ``build.max_image_tokens`` / ``build.max_images``).
 
-Bundle layout written by :func:`export_visual` (the ``visual/`` role directory):
+:func:`export_visual` goes through the same role machinery as ``base`` and ``draft``
+(:func:`edgebuild.export.exporter.export_graph`): the tower is traced on meta weights, the
+graph is cleaned, and the ``visual.*`` tensors are streamed one at a time from the
+:class:`~edgebuild.checkpoint.source.WeightSource` into ``model.onnx.data`` (quantized linears
+as DequantizeLinear chains or dequantized, as the build's weight mode says).
+
+``edgebuild build`` exports this role automatically when the target checkpoint is a VLM (its
+config has a ``vision_config``), into the bundle's ``visual/`` directory:
 ``model.onnx`` + ``model.onnx.data`` (weights as ONNX external data, checkpoint names
-``visual.*``), ``config.json`` (the checkpoint's ``vision_config`` plus the image token ids
-the runtime needs) and ``preprocessor_config.json`` (copied when the checkpoint has one).
-
-Status: standalone exporter (real weights loaded in memory, fp32/bf16/fp16). Not yet wired
-into the role machinery of :mod:`edgebuild.export.exporter` (meta-weight tracing and
-streamed external data) nor into the bundle manifest; :class:`VisualGraph` has the same
-``role`` / ``kind`` / ``io()`` / ``example_inputs()`` / ``dynamic_shapes()`` surface as the
-other role graphs so that wiring is mechanical.
+``visual.*``), ``config.json`` (the checkpoint's ``vision_config``, the image token ids the
+runtime needs, the graph's dtype and I/O), ``preprocessor_config.json`` (copied when the
+checkpoint has one) and ``model.engine`` when engines are built. The manifest's
+``roles.visual`` records these files, the I/O and :func:`vision_fields`; every file is hashed
+in ``files`` like the other roles' (``edgebuild verify`` re-checks them).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.source import WeightSource
+from edgebuild.errors import ConfigError
+from edgebuild.export.exporter import ExportedGraph, ExportOptions, export_graph
 from edgebuild.export.graphs import GraphKind, TensorSpec
-from edgebuild.models.vision import VISION_PREFIX, Segments, VisionPlan, VisionTower
+from edgebuild.export.weights import visual_entries
+from edgebuild.models.vision import (
+    VISION_PREFIX,
+    Segments,
+    VisionConfig,
+    VisionPlan,
+    VisionTower,
+    check_vision_tensors,
+)
 
-log = logging.getLogger("edgebuild.export")
-
-ONNX_NAME, DATA_NAME, CONFIG_NAME = "model.onnx", "model.onnx.data", "config.json"
-OPSET = 23
+ROLE = "visual"
+CONFIG_NAME, PREPROCESSOR_NAME = "config.json", "preprocessor_config.json"
 # example sizes for tracing: dynamic axes must not be 0 or 1 and distinct axes must differ
 _EXAMPLE = {"tokens": 6}
 
@@ -47,10 +61,11 @@ class VisualGraph(nn.Module):
     Parameter names are the checkpoint's (``visual.*``).
 
     Args:
-        tower: a loaded :class:`VisionTower` (its dtype is the graph dtype).
+        tower: a :class:`VisionTower`, loaded or on the ``meta`` device (for export); its
+            dtype is the graph dtype.
     """
 
-    role = "visual"
+    role = ROLE
     kind = GraphKind.PORTABLE
 
     def __init__(self, tower: VisionTower):
@@ -95,7 +110,7 @@ class VisualGraph(nn.Module):
         windows = Segments.from_lengths([20, 2, patches - 22])  # [3, 20]
         pixels = torch.zeros(patches, self.config.patch_dim, dtype=self.dtype)
         rope = torch.zeros(patches, self.config.head_dim)
-        return (
+        flat = (
             pixels,
             torch.arange(patches),
             rope,
@@ -107,6 +122,8 @@ class VisualGraph(nn.Module):
             windows.slot,
             torch.arange(_EXAMPLE["tokens"]),
         )
+        device = next(self.visual.parameters()).device  # meta when traced for export
+        return tuple(t.to(device) for t in flat)
 
     def dynamic_shapes(self) -> tuple[tuple[dict, ...]]:
         """One ``Dim`` per named axis; the patch axis is ``merge_unit * tokens``."""
@@ -138,7 +155,13 @@ class VisualGraph(nn.Module):
 
 
 def plan_inputs(plan: VisionPlan, pixel_values: Tensor) -> dict[str, Tensor]:
-    """The engine's input tensors (name -> tensor) for one vision pass."""
+    """The engine's input tensors (name -> tensor) for one vision pass.
+
+    Args:
+        plan: the host plan of the pass (:meth:`VisionPlan.build` over the images' grids).
+        pixel_values: ``[N, patch_dim]`` patch rows of all images, in the graph's dtype
+            (:mod:`edgebuild.models.image_processing` order).
+    """
     return {
         "pixel_values": pixel_values,
         "patch_order": plan.patch_order,
@@ -153,75 +176,82 @@ def plan_inputs(plan: VisionPlan, pixel_values: Tensor) -> dict[str, Tensor]:
     }
 
 
-def export_visual(source: WeightSource, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+def vision_fields(cfg: VisionConfig) -> dict:
+    """The vision facts a runtime and the engine builder need (manifest ``roles.visual.vision``
+    and graph metadata): patch geometry, merge unit, window size in tokens, image token ids."""
+    return {
+        "patch_size": cfg.patch_size,
+        "temporal_patch_size": cfg.temporal_patch_size,
+        "spatial_merge_size": cfg.spatial_merge_size,
+        "merge_unit": cfg.merge_unit,
+        "window_tokens": cfg.window_tokens,
+        "patch_dim": cfg.patch_dim,
+        "out_hidden_size": cfg.out_hidden_size,
+        "image_token_id": cfg.image_token_id,
+        "vision_start_token_id": cfg.vision_start_token_id,
+        "vision_end_token_id": cfg.vision_end_token_id,
+    }
+
+
+def meta_visual(source: WeightSource, dtype: torch.dtype) -> VisionTower:
+    """The vision tower of a VLM checkpoint on the meta device (no memory), tensors checked.
+
+    Raises:
+        ConfigError: no or a bad ``vision_config``.
+        CheckpointError: a missing, unexpected or mis-shaped ``visual.*`` tensor.
+    """
+    cfg = VisionConfig.from_model_config(source.config, str(source.config_path))
+    check_vision_tensors(source, cfg)
+    with torch.device("meta"):
+        tower = VisionTower(cfg).to(dtype)
+    return tower.eval()
+
+
+def export_visual(
+    source: WeightSource,
+    out_dir: Path,
+    options: ExportOptions | None = None,
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> ExportedGraph:
     """Export the ``visual.*`` tower of a VLM checkpoint into the role directory ``out_dir``.
 
     Args:
-        source: the VLM checkpoint.
+        source: the VLM checkpoint (the build's target).
         out_dir: the bundle's ``visual/`` directory (created).
-        dtype: graph dtype (weights and activations; softmax and RoPE stay fp32).
+        options: the build's export options; only ``dtype`` (graph dtype of weights and
+            activations; softmax and RoPE stay fp32; None = the checkpoint's ``torch_dtype``)
+            and ``weights`` (quantized linears native or dense) apply: the graph is always
+            portable (no plugin). Default: :class:`ExportOptions` ().
+        on_tensor: progress callback ``(name, bytes)`` per weight written.
 
     Returns:
-        the path of ``model.onnx``.
+        the exported role (``role`` = ``visual``, ``kind`` = portable); its ``metadata`` holds
+        ``edgebuild.vision`` (:func:`vision_fields` as JSON).
 
     Raises:
-        ConfigError / CheckpointError: no or bad ``vision_config``, missing / mis-shaped
-            ``visual.*`` tensors.
+        ConfigError: not a VLM checkpoint (no ``vision_config``), a bad ``vision_config``, an
+            unsupported dtype.
+        CheckpointError: missing / unexpected / mis-shaped ``visual.*`` tensors.
         MissingDependencyError: onnx / onnxscript are not installed (``pip install
-            edgebuild[export]``).
+            'edgebuild[export]'``).
     """
-    from edgebuild.errors import MissingDependencyError
-
-    try:
-        import onnx
-    except ImportError as exc:
-        raise MissingDependencyError("ONNX export needs: pip install 'edgebuild[export]'") from exc
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    graph = VisualGraph(VisionTower.from_source(source, dtype)).eval()
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            graph,
-            graph.example_inputs(),
-            dynamo=True,
-            dynamic_shapes=graph.dynamic_shapes(),
-            input_names=graph.input_names(),
-            output_names=graph.output_names(),
-            opset_version=OPSET,
-            optimize=False,  # no fused RMSNormalization etc.: plain ops for any parser
-            verbose=False,
-            report=False,
+    options = options or ExportOptions()
+    target = ModelConfig.from_dict(source.config, source=str(source.config_path))
+    if target.vision_config is None:
+        raise ConfigError(
+            f"{source.config_path}: no 'vision_config'; only a vision-language checkpoint has "
+            "a visual role"
         )
-    onnx_path = out_dir / ONNX_NAME
-    for stale in (onnx_path, out_dir / DATA_NAME):
-        stale.unlink(missing_ok=True)
-    program.save(str(onnx_path), external_data=True)
-    _rename_external_data(onnx_path)
-    onnx.checker.check_model(str(onnx_path), full_check=True)
-    _write_config(source, graph, out_dir)
-    return onnx_path
-
-
-def _rename_external_data(onnx_path: Path) -> None:
-    """Point every external initializer at ``model.onnx.data`` (torch names it by the model)."""
-    import onnx
-
-    model = onnx.load(str(onnx_path), load_external_data=True)
-    for stale in onnx_path.parent.glob(onnx_path.name + ".*"):
-        stale.unlink()
-    onnx.save_model(
-        model,
-        str(onnx_path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=DATA_NAME,
-        size_threshold=1024,
-    )
+    graph = VisualGraph(meta_visual(source, options.torch_dtype(target)))
+    meta = {"edgebuild.vision": json.dumps(vision_fields(graph.config), sort_keys=True)}
+    entries = visual_entries(source, VISION_PREFIX)
+    exported = export_graph(graph, entries, out_dir, [source], meta, options.weights, on_tensor)
+    _write_config(source, graph, Path(out_dir))
+    return exported
 
 
 def _write_config(source: WeightSource, graph: VisualGraph, out_dir: Path) -> None:
+    """``config.json`` (vision_config, token ids, dtype, I/O) and the preprocessor config."""
     cfg = graph.config
     inputs, outputs = graph.io()
     config = {
@@ -235,7 +265,7 @@ def _write_config(source: WeightSource, graph: VisualGraph, out_dir: Path) -> No
         "inputs": [s.to_json() for s in inputs],
         "outputs": [s.to_json() for s in outputs],
     }
-    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
-    pre = Path(source.path) / "preprocessor_config.json"
+    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    pre = Path(source.path) / PREPROCESSOR_NAME
     if pre.is_file():
-        shutil.copyfile(pre, out_dir / pre.name)
+        shutil.copyfile(pre, out_dir / PREPROCESSOR_NAME)

@@ -163,6 +163,17 @@ def draft_entries(pair: PairedSources) -> dict[str, WeightEntry]:
     return out
 
 
+def visual_entries(source: WeightSource, prefix: str = "visual.") -> dict[str, WeightEntry]:
+    """Initializer name -> entry for the vision tower of a VLM checkpoint (the ``visual.*``
+    tensors under their checkpoint names; quantization side tensors are read with their
+    linear)."""
+    return {
+        name: _source_entry(source, name, name)
+        for name in source.names()
+        if name.startswith(prefix) and not is_quant_aux_tensor(name)
+    }
+
+
 # ----------------------------------------------------------------------------- writer
 class ExternalDataWriter:
     """Appends tensors to one external data file and returns ``ir.ExternalTensor`` s.

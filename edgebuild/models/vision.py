@@ -98,6 +98,11 @@ class VisionConfig:
     def merge_unit(self) -> int:
         return self.spatial_merge_size**2
 
+    @property
+    def window_tokens(self) -> int:
+        """Merged tokens in one full attention window: ``(window_size // m // patch_size)^2``."""
+        return (self.window_size // self.spatial_merge_size // self.patch_size) ** 2
+
     @classmethod
     def from_model_config(cls, cfg: dict, source: str = "config.json") -> VisionConfig:
         """Parse ``cfg["vision_config"]`` and the top-level token ids of a VLM ``config.json``.
@@ -469,8 +474,7 @@ class VisionTower(nn.Module):
                 file and the tensor).
         """
         cfg = VisionConfig.from_model_config(source.config, str(source.config_path))
-        expected = expected_vision_shapes(cfg)
-        _check_vision_tensors(source, cfg, expected)
+        expected = check_vision_tensors(source, cfg)
         with torch.device("meta"):
             model = cls(cfg)
         model = model.to_empty(device="cpu").to(dtype)
@@ -521,8 +525,17 @@ def expected_vision_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_vision_tensors(source: WeightSource, cfg: VisionConfig, expected: dict) -> None:
-    """Missing / unexpected / mis-shaped ``visual.*`` tensors -> CheckpointError."""
+def check_vision_tensors(source: WeightSource, cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Check the ``visual.*`` tensors of ``source`` against ``cfg`` (headers only, no data read).
+
+    Returns:
+        :func:`expected_vision_shapes` (names without ``visual.``).
+
+    Raises:
+        CheckpointError: a missing, unexpected or mis-shaped tensor (names the file, the tensor
+            and the config).
+    """
+    expected = expected_vision_shapes(cfg)
     where = str(source.path)
     have = {n[len(VISION_PREFIX) :] for n in source.names() if n.startswith(VISION_PREFIX)}
     aux = tuple(f".{s}" for s in quant_tensor_suffixes())
@@ -545,3 +558,4 @@ def _check_vision_tensors(source: WeightSource, cfg: VisionConfig, expected: dic
         if info.dtype == torch.uint8 and len(shape) == 2:  # NVFP4: two codes per byte
             got = (got[0], got[1] * 2)
         check_shape(VISION_PREFIX + name, str(info.file), got, shape, "vision_config")
+    return expected

@@ -28,10 +28,14 @@ One step of DSpark decoding on this backend (the words of :mod:`edgebuild.runtim
 Decode, verify and draft calls pass a CUDA-graph key ``(batch, rows, ...)`` to the engine
 runner (:mod:`edgebuild.runtime.trt_engine`), which captures shapes that repeat.
 
-Vision (seam): the visual engine role is not in bundles yet and the base engine takes token
-ids only. A multimodal prefill (``inputs_embeds`` / 3-axis ``positions``) is refused with a
-:class:`~edgebuild.errors.ConfigError`; :func:`splice_image_embeds` is the device-side splice
-the base engine will use once it declares an ``inputs_embeds`` input.
+Vision (seam): a VLM target's bundle has a ``visual`` role (``visual/model.onnx`` and, when
+built, ``visual/model.engine``, inputs from :class:`edgebuild.models.vision.VisionPlan`; see
+:mod:`edgebuild.export.visual`), and :func:`~edgebuild.runtime.trt_plan.role_profiles` knows
+its profile. What is still missing is on this side: the base engine takes token ids only (no
+``inputs_embeds`` input, no 3-axis multimodal positions) and no runner drives the visual
+engine. So a VLM bundle is refused here and a multimodal prefill (``inputs_embeds`` / 3-axis
+``positions``) with a :class:`~edgebuild.errors.ConfigError`; :func:`splice_image_embeds` is
+the device-side splice the base engine will use once it declares an ``inputs_embeds`` input.
 """
 
 from __future__ import annotations
@@ -208,9 +212,9 @@ def splice_image_embeds(
 
 
 VISION_SEAM = (
-    "image prompts on the TensorRT backend need a visual engine and a base engine with an "
-    "inputs_embeds input; this bundle has neither (vision runs on the torch backend: "
-    "--backend torch)"
+    "vision-language models on the TensorRT backend need a base engine with an inputs_embeds "
+    "input and a runner for the bundle's visual engine; neither exists yet (vision runs on "
+    "the torch backend: --backend torch)"
 )
 
 

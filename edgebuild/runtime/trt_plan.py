@@ -207,7 +207,7 @@ class Profile:
 
 def role_profiles(manifest: dict, role: str) -> list[Profile]:
     """The optimization profiles of ``role``'s engine, in engine order (as the builder made them)."""
-    from edgebuild.engine.builder import profile_names, profiles
+    from edgebuild.engine.builder import VisualGeometry, profile_names, profiles
     from edgebuild.recipe import BuildSettings
 
     build = {
@@ -216,7 +216,10 @@ def role_profiles(manifest: dict, role: str) -> list[Profile]:
     limits = EngineLimits.from_manifest(manifest)
     io = role_io(manifest, role)
     specs = [{"name": t.name, "dims": list(t.dims)} for t in io.inputs]
-    made = profiles(role, specs, BuildSettings(**build), limits.num_speculative_tokens)
+    visual = None
+    if role == "visual":  # the visual engine's axes also depend on the tower's geometry
+        visual = VisualGeometry.from_role(manifest["roles"]["visual"])
+    made = profiles(role, specs, BuildSettings(**build), limits.num_speculative_tokens, visual)
     return [Profile(n, s) for n, s in zip(profile_names(role), made, strict=True)]
 
 
