@@ -5,7 +5,8 @@ with real TensorRT-RTX engines when ``tensorrt_rtx`` is installed, else ``--onnx
 engine test then skips and prints why). Checked against independent oracles: the manifest's
 hashes against ``hashlib`` over the files, the bundle's ``visual/model.onnx`` in onnxruntime
 against the transformers vision tower on images preprocessed by transformers' own image
-processor, corrupt visual files against ``verify``. A text-only target gets no visual role.
+processor, corrupt visual files against ``verify``. A text-only target gets no visual role;
+the VLM's base role takes the image table and 3-axis positions (test_trt_vlm.py runs it).
 """
 
 from __future__ import annotations
@@ -156,6 +157,21 @@ def test_tensorrt_rtx_builds_the_visual_engine_with_the_image_profile(bundle):
     assert profile.shapes["full_index"] == ((1, 4), (1, 256), (3, 256))
     assert profile.shapes["window_index"] == ((1, 4), (16, 16), (64, 16))
     verify_bundle(bundle)
+
+
+def test_the_vlm_bundles_base_role_takes_the_image_table_and_3_axis_positions(bundle):
+    from edgebuild.runtime.trt_plan import role_profiles
+
+    m = _manifest(bundle)
+    inputs = m["roles"]["base"]["inputs"]
+    assert [i["name"] for i in inputs][:3] == ["input_ids", "image_embeds", "mrope_positions"]
+    assert "positions" not in [i["name"] for i in inputs]
+    assert inputs[1] == {"name": "image_embeds", "dtype": "float32", "dims": ["image_tokens", 64]}
+    prefill, generate = role_profiles(m, "base")
+    assert prefill.shapes["image_embeds"] == ((1, 64), (64, 64), (64, 64))  # max_image_tokens
+    assert generate.shapes["image_embeds"] == ((1, 64), (1, 64), (1, 64))  # text rows only
+    if m["engines"]["status"] == "built":  # TensorRT-RTX parsed and built it with them
+        assert m["files"]["base/model.engine"]["size"] > 10_000
 
 
 def test_profiles_of_the_visual_role_follow_the_recipe_and_the_tower():

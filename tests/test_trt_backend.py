@@ -4,7 +4,8 @@ driven by stand-in engines that run the exported graphs eagerly on the CPU.
 
 Oracles: hand-computed byte counts; the exporter's own ``BaseGraph.io()`` / ``DraftGraph.io()``;
 the torch backend (greedy outputs and DSpark acceptance must be identical). What needs a GPU
-(real engines, CUDA graphs, speed) is in scripts/gpu_check_engines.py.
+(real engines, CUDA graphs, speed) is in scripts/gpu_check_engines.py. Image prompts (the
+visual engine and the multimodal base engine) are in test_trt_vlm.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from edgebuild.export.graphs import BaseGraph, DraftGraph, GraphKind
 from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.ops.rope import rope_cos_sin_table
 from edgebuild.runtime import select
+from edgebuild.runtime.backend import MultimodalPrefill
 from edgebuild.runtime.decoding import (
     DSparkDecoder,
     RequestState,
@@ -475,6 +477,7 @@ class GraphRunner:
     def execute(self, profile, bindings, graph_key=None):
         self.keys.append((profile, graph_key))
         outs = self.graph(*[bindings[n] for n in self.graph.input_names()])
+        outs = (outs,) if isinstance(outs, torch.Tensor) else outs  # the visual graph: one
         for name, value in zip(self.graph.output_names(), outs, strict=True):
             bindings[name].copy_(value)
 
@@ -593,8 +596,13 @@ def test_a_sequence_beyond_the_engines_kv_capacity_is_refused_before_running(tin
     assert len(brun.keys) == calls and seq.length == 120
 
 
-def test_image_prompts_are_refused_on_the_tensorrt_backend(tiny):
-    trt_target, *_ = standin_backends(tiny)
+def test_an_image_prompt_on_a_text_base_engine_is_refused_before_running(tiny):
+    trt_target, _, _, _, brun, _ = standin_backends(tiny)
+    assert not trt_target.multimodal
     seq = trt_target.new_sequence()
-    with pytest.raises(ConfigError, match="visual engine"):
-        trt_target.forward([seq], [torch.tensor([1, 2])], [[1]], (), [torch.zeros(2, 64)])
+    images = MultimodalPrefill(
+        torch.tensor([1]), torch.zeros(1, 64), torch.zeros(3, 2, dtype=torch.long), 0
+    )
+    with pytest.raises(ConfigError, match="without an image_embeds input.*edgebuild build"):
+        trt_target.forward([seq], [torch.tensor([1, 2])], [[1]], (), [images])
+    assert brun.keys == [] and seq.length == 0

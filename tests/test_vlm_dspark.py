@@ -119,9 +119,9 @@ def test_rigged_draft_accepts_everything_and_context_starts_from_the_prefill_tap
     draft = RiggedDraft(taps, base.config.vocab_size)
     target = TorchTarget(base.target_model, max_kv_rows=2048, page_size=16)
     decoder = DSparkDecoder(target, draft, 4)
-    mm = base.vision.prepare(ids, images, base.target_model.embed)
+    mm = base.vision.prepare(ids, images)
     st = RequestState.create("r0", ids, GREEDY)
-    st.prompt_embeds, st.prompt_positions, st.rope_delta = mm.embeds, mm.positions, mm.rope_delta
+    st.prompt_images = mm
     decoder.start(st)
     draft.full[st.draft_seq.seq_id] = list(ids) + expected
     run_to_completion(decoder, [st])
@@ -130,8 +130,6 @@ def test_rigged_draft_accepts_everything_and_context_starts_from_the_prefill_tap
     # the draft's first context = target taps of every prompt row (image rows included)
     ref_target = TorchTarget(base.target_model, max_kv_rows=2048, page_size=16)
     seq = ref_target.new_sequence()
-    ref = ref_target.forward(
-        [seq], [torch.tensor(ids)], [[len(ids) - 1]], taps, [mm.embeds], [mm.positions]
-    ).taps[0]
+    ref = ref_target.forward([seq], [torch.tensor(ids)], [[len(ids) - 1]], taps, [mm]).taps[0]
     assert draft.features[0].shape == (len(ids), 2 * base.config.hidden_size)
     assert torch.equal(draft.features[0], ref)

@@ -84,12 +84,10 @@ def test_prefill_logits_of_every_row_match_transformers(vlm, case):
         ref = hf(**inputs).logits[0]
         flat_positions = {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
         ref_1d = hf(**flat_positions).logits[0]  # transformers' silent 1-D fallback
-    mm = llm.vision.prepare(ids, images, llm.target_model.embed)
+    mm = llm.vision.prepare(ids, images)
     target = TorchTarget(llm.target_model, max_kv_rows=1024, page_size=16)
     seq = target.new_sequence()
-    out = target.forward(
-        [seq], [torch.tensor(ids)], [list(range(len(ids)))], (), [mm.embeds], [mm.positions]
-    )
+    out = target.forward([seq], [torch.tensor(ids)], [list(range(len(ids)))], (), [mm])
     assert (out.logits[0] - ref).abs().max() <= TOL
     assert (out.logits[0] - ref_1d).abs().max() > 1e-2  # the positions matter
 

@@ -13,8 +13,9 @@ TensorRT is imported lazily (:func:`load_tensorrt`). Two builders are known:
 Networks are strongly typed (the ONNX graph's dtypes are the engine's dtypes; NVFP4 / FP8
 weights come as DequantizeLinear chains). Optimization profiles come from the recipe's
 ``build`` settings and the graph's named axes (:func:`profiles`): the ``base`` engine gets a
-``prefill`` profile (up to ``max_input_len`` rows) and a ``generate`` profile (decode and
-verify, up to ``num_speculative_tokens + 1`` rows); the ``draft`` engine one profile; the
+``prefill`` profile (up to ``max_input_len`` rows; a VLM's base also up to ``max_image_tokens``
+image-embedding rows) and a ``generate`` profile (decode and verify, up to
+``num_speculative_tokens + 1`` rows); the ``draft`` engine one profile; the
 ``visual`` engine (vision tower of a VLM) one profile over its patch, token, segment and
 window axes, from ``max_image_tokens`` / ``max_images`` and the tower's
 :class:`VisualGeometry` (:func:`visual_axis_ranges`).
@@ -77,12 +78,17 @@ def axis_ranges(
     ``generate`` (verify = ``num_speculative_tokens + 1``); ``logits_rows`` up to verify;
     pages and the dense ``kv_capacity`` from ``max_kv_cache_capacity``; the draft's
     ``context_len`` up to ``max_input_len`` (the first update carries the whole prompt).
+    ``image_tokens`` (the multimodal base graph's image table) spans
+    ``1..min(max_image_tokens, max_input_len)`` in ``prefill`` (one call's image rows) and is
+    1 in ``generate`` (decode and verify rows are text: the 1-row table no id selects).
     """
     verify = num_speculative_tokens + 1
     batch = build.max_batch_size
     pages = -(-build.max_kv_cache_capacity // build.page_size)
     seq_max = verify if profile == "generate" else build.max_input_len
+    images = 1 if profile == "generate" else min(build.max_image_tokens, build.max_input_len)
     return {
+        "image_tokens": (1, images, images),
         "batch": (1, batch, batch),
         "seq": (1, seq_max, seq_max),
         "logits_rows": (1, verify, verify),

@@ -328,6 +328,10 @@ def export_base(
 ) -> ExportedGraph:
     """Export the target checkpoint ``source`` as the ``base`` graph.
 
+    A vision-language target (its config has a ``vision_config``) gets the multimodal base
+    graph (``image_embeds`` and ``mrope_positions`` inputs, :class:`BaseGraph` ``multimodal``);
+    a text target's graph has no image input.
+
     Args:
         source: the target checkpoint.
         out_dir: directory for ``model.onnx`` / ``model.onnx.data``.
@@ -342,7 +346,8 @@ def export_base(
     dtype = options.torch_dtype(cfg)
     model = meta_target(source, dtype)
     rows = options.rope_rows or cfg.max_position_embeddings
-    graph = BaseGraph(model, tap_layers, options.kind, options.page_size, rows)
+    multimodal = cfg.vision_config is not None
+    graph = BaseGraph(model, tap_layers, options.kind, options.page_size, rows, multimodal)
     tied = "lm_head.weight" not in source
     entries = base_entries(source, tied)
     entries[rope_entry(graph.rotary_dim, rows, cfg.rope).name] = rope_entry(
@@ -353,6 +358,8 @@ def export_base(
         "edgebuild.tie_word_embeddings": json.dumps(tied),
         "edgebuild.page_size": str(options.page_size),
     }
+    if multimodal:  # text graphs keep their metadata as it was
+        meta["edgebuild.multimodal"] = "true"
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
     return export_graph(
         graph, entries, out_dir, [source], meta, options.weights, on_tensor, aliases

@@ -16,7 +16,12 @@ Graph kinds (:class:`GraphKind`):
 
 Roles:
 * :class:`BaseGraph` (``base``): the target. Logits of the requested rows only
-  (``logits_rows``), the tapped hidden states the draft needs, KV caches in/out.
+  (``logits_rows``), the tapped hidden states the draft needs, KV caches in/out. The base
+  graph of a vision-language target (``multimodal``) also takes the image embeddings, in the
+  prompt-table style of TensorRT-LLM: an image pad row carries the id ``vocab_size + k`` and
+  gets row ``k`` of the ``image_embeds`` input (the gather stays inside the engine; text-only
+  calls pass a 1-row table that no id selects), and its RoPE positions are the 3-axis
+  ``mrope_positions`` (t, h, w) instead of ``positions``. A text target's graph is unchanged.
 * :class:`DraftGraph` (``draft``): DSpark context update + block pass + heads, returning the
   top-k candidate lattice of spec section 3 ("Top-k pruning", the onnxruntime-genai form):
   ``draft_candidate_ids`` [B, n, K], ``draft_scores`` [B, n, K, K] with
@@ -53,6 +58,7 @@ _EXAMPLE_SIZES = {
     "num_pages": 7,
     "kv_capacity": 11,
     "context_len": 5,
+    "image_tokens": 4,
 }
 
 
@@ -135,6 +141,12 @@ class BaseGraph(_RoleGraph):
         kind: plugin or portable graph.
         page_size: rows per KV page (plugin graphs).
         rope_rows: rows of the RoPE table buffer (positions ``0 .. rope_rows-1``).
+        multimodal: the graph of a vision-language target: ``image_embeds`` and
+            ``mrope_positions`` inputs (see :meth:`io`).
+
+    Raises:
+        ConfigError: a tap layer out of range; ``multimodal`` for a target without
+            multimodal RoPE (``mrope_section``).
     """
 
     role = "base"
@@ -146,11 +158,18 @@ class BaseGraph(_RoleGraph):
         kind: GraphKind,
         page_size: int,
         rope_rows: int,
+        multimodal: bool = False,
     ):
         super().__init__()
         cfg = model.config
         self.config, self.kind, self.page_size = cfg, GraphKind(kind), page_size
         self.tap_layers = tuple(tap_layers)
+        self.multimodal = bool(multimodal)
+        if self.multimodal and cfg.mrope_section is None:
+            raise ConfigError(
+                f"{cfg.source}: a multimodal base graph needs a multimodal-RoPE target "
+                "(rope_parameters.mrope_section); this config has 1-D RoPE"
+            )
         bad = [t for t in self.tap_layers if not 0 <= t < cfg.num_hidden_layers - 1]
         if bad:
             raise ConfigError(
@@ -169,11 +188,28 @@ class BaseGraph(_RoleGraph):
         return self.model.embed_tokens.weight.dtype
 
     def io(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        """Engine inputs and outputs of ``base`` (names, dtypes, dims)."""
+        """Engine inputs and outputs of ``base`` (names, dtypes, dims).
+
+        Inputs: ``input_ids`` int32 [B, S]; ``positions`` int32 [B, S] (RoPE position of each
+        row); ``past_lengths`` / ``input_lengths`` int32 [B]; ``logits_rows`` int32 [B, R];
+        ``page_table`` int32 [B, max_pages] (plugin graphs); ``kv_cache_i`` per layer.
+        A ``multimodal`` graph has, instead of ``positions``: ``image_embeds`` [image_tokens,
+        hidden] (graph dtype; row k replaces the embedding of a row whose id is
+        ``vocab_size + k``; ids past the table read its last row) and ``mrope_positions``
+        int32 [3, B, S] (t, h, w positions; text rows have three equal values).
+        Outputs: ``logits`` fp32 [B, R, V], ``target_hidden_states`` [B, S, n_taps * hidden]
+        (with taps), ``present_kv_cache_i`` (aliasing ``kv_cache_i``).
+        """
         cfg, i32 = self.config, torch.int32
-        inputs = [
-            TensorSpec("input_ids", i32, ("batch", "seq")),
-            TensorSpec("positions", i32, ("batch", "seq")),
+        inputs = [TensorSpec("input_ids", i32, ("batch", "seq"))]
+        if self.multimodal:
+            inputs += [
+                TensorSpec("image_embeds", self.dtype, ("image_tokens", cfg.hidden_size)),
+                TensorSpec("mrope_positions", i32, (3, "batch", "seq")),
+            ]
+        else:
+            inputs.append(TensorSpec("positions", i32, ("batch", "seq")))
+        inputs += [
             TensorSpec("past_lengths", i32, ("batch",)),
             TensorSpec("input_lengths", i32, ("batch",)),
             TensorSpec("logits_rows", i32, ("batch", "logits_rows")),
@@ -195,15 +231,15 @@ class BaseGraph(_RoleGraph):
         named = dict(zip(self.input_names(), flat, strict=True))
         ids = named["input_ids"]
         caches = [named[f"kv_cache_{i}"] for i in range(self.config.num_hidden_layers)]
+        positions, table = self._rope(named)
         batch = PagedBatch(
             self._page_table(named, ids.shape[0]),
             named["past_lengths"],
             named["input_lengths"],
-            named["positions"],
+            positions,
         )
-        table = getattr(self, ROPE_BUFFER)
         with FunctionalAttention(self.kind is GraphKind.PORTABLE) as attention:
-            x = self.model.embed_tokens(ids)  # [B, S, d]
+            x = self._embed(named)  # [B, S, d]
             taps = {}
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, caches[i], batch, table)
@@ -215,6 +251,44 @@ class BaseGraph(_RoleGraph):
         if self.tap_layers:
             out.append(torch.cat([taps[i] for i in self.tap_layers], dim=-1))
         return tuple(out + [attention.present(c) for c in caches])
+
+    def _embed(self, named: dict[str, Tensor]) -> Tensor:
+        """Token embeddings [B, S, d]; image rows (id >= vocab) from ``image_embeds``."""
+        ids = named["input_ids"]  # int32 [B, S]
+        if not self.multimodal:
+            return self.model.embed_tokens(ids)
+        table = named["image_embeds"]  # [N, d]
+        vocab = self.config.vocab_size
+        is_image = ids >= vocab  # [B, S]
+        text = self.model.embed_tokens(torch.where(is_image, torch.zeros_like(ids), ids))
+        k = torch.clamp(ids - vocab, 0, table.shape[0] - 1).long()  # [B, S] table row
+        image = torch.nn.functional.embedding(k, table)  # [B, S, d]
+        return torch.where(is_image.unsqueeze(-1), image.to(text.dtype), text)
+
+    def _rope(self, named: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(positions int32 [B, S], fp32 cos/sin table) for the attention.
+
+        Text graphs: the ``positions`` input and the table buffer. Multimodal graphs: one
+        table row per new row, gathered from the buffer (frequency j of a row at its axis'
+        position, the ``mrope_section`` split of :mod:`edgebuild.ops.mrope`), and the row
+        index as position (what :meth:`LlamaForCausalLM._mrope_rows` does in torch).
+        """
+        table = getattr(self, ROPE_BUFFER)  # fp32 [rope_rows, rotary_dim]
+        if not self.multimodal:
+            return named["positions"], table
+        pos = named["mrope_positions"]  # int32 [3, B, S]
+        bsz, rows = pos.shape[1], pos.shape[2]
+        half = torch.cat(
+            [
+                pos[a].unsqueeze(-1).expand(-1, -1, w)
+                for a, w in enumerate(self.config.mrope_section)
+            ],
+            dim=-1,
+        )  # [B, S, rotary_dim / 2]: the position each frequency rotates with
+        index = torch.cat([half, half], dim=-1).reshape(bsz * rows, self.rotary_dim).long()
+        per_row = torch.gather(table, 0, index)  # [B * S, rotary_dim]
+        row_ids = torch.arange(bsz * rows, dtype=torch.int32, device=pos.device)
+        return row_ids.reshape(bsz, rows), per_row
 
 
 class DraftGraph(_RoleGraph):

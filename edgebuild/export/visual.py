@@ -22,6 +22,13 @@ runtime needs, the graph's dtype and I/O), ``preprocessor_config.json`` (copied 
 checkpoint has one) and ``model.engine`` when engines are built. The manifest's
 ``roles.visual`` records these files, the I/O and :func:`vision_fields`; every file is hashed
 in ``files`` like the other roles' (``edgebuild verify`` re-checks them).
+
+At run time the TensorRT backend runs this engine once per request
+(:class:`edgebuild.runtime.trt_backend.TrtVisual`, inputs from
+:meth:`VisionPlan.engine_inputs`); its ``image_embeds`` rows become the rows of the VLM base
+graph's ``image_embeds`` input, selected by the prompt's image pad rows (ids ``vocab_size +
+k``, :class:`edgebuild.export.graphs.BaseGraph` ``multimodal``). That chain is checked on the
+CPU with stand-in engines (``tests/test_trt_vlm.py``), not yet on real TensorRT engines.
 """
 
 from __future__ import annotations
@@ -157,23 +164,15 @@ class VisualGraph(nn.Module):
 def plan_inputs(plan: VisionPlan, pixel_values: Tensor) -> dict[str, Tensor]:
     """The engine's input tensors (name -> tensor) for one vision pass.
 
+    The same as :meth:`VisionPlan.engine_inputs` (which the TensorRT runtime uses: the runtime
+    does not import the exporter); kept here beside :meth:`VisualGraph.io` that names them.
+
     Args:
         plan: the host plan of the pass (:meth:`VisionPlan.build` over the images' grids).
         pixel_values: ``[N, patch_dim]`` patch rows of all images, in the graph's dtype
             (:mod:`edgebuild.models.image_processing` order).
     """
-    return {
-        "pixel_values": pixel_values,
-        "patch_order": plan.patch_order,
-        "rope_cos_sin": plan.rope,
-        "full_index": plan.full.index,
-        "full_valid": plan.full.valid,
-        "full_slot": plan.full.slot,
-        "window_index": plan.windows.index,
-        "window_valid": plan.windows.valid,
-        "window_slot": plan.windows.slot,
-        "merge_order": plan.merge_order,
-    }
+    return plan.engine_inputs(pixel_values)
 
 
 def vision_fields(cfg: VisionConfig) -> dict:

@@ -254,6 +254,31 @@ class VisionPlan:
     def num_patches(self) -> int:
         return int(self.patch_order.shape[0])
 
+    @property
+    def num_tokens(self) -> int:
+        """Language-model tokens (merged patches) of the pass, all images."""
+        return self.cu_tokens[-1]
+
+    def engine_inputs(self, pixel_values: Tensor) -> dict[str, Tensor]:
+        """The ``visual`` engine's inputs (name -> tensor; the names of ``VisualGraph.io()``).
+
+        Args:
+            pixel_values: ``[N, patch_dim]`` patch rows of all images, in the graph's dtype
+                (:mod:`edgebuild.models.image_processing` order).
+        """
+        return {
+            "pixel_values": pixel_values,
+            "patch_order": self.patch_order,
+            "rope_cos_sin": self.rope,
+            "full_index": self.full.index,
+            "full_valid": self.full.valid,
+            "full_slot": self.full.slot,
+            "window_index": self.windows.index,
+            "window_valid": self.windows.valid,
+            "window_slot": self.windows.slot,
+            "merge_order": self.merge_order,
+        }
+
 
 def _rope_rows(cfg: VisionConfig, grids) -> Tensor:
     """fp32 [N, head_dim] cos|sin rows of the (h, w) patch positions in merge-block order.

@@ -13,7 +13,10 @@ on the host, one cos/sin row per new token (:func:`mrope_cos_sin_rows`, the same
 ``[cos half | sin half]`` layout as ``rope_cos_sin_table``) and passes that per-row table as
 ``rope_cos_sin`` with ``positions[b, i] = b * S + i`` (the row index). Decode and verify rows are
 text, so they use the ordinary table at position ``slot + rope_delta`` (see
-:func:`mrope_position_ids`).
+:func:`mrope_position_ids`). The exported multimodal base graph builds the same per-row table
+by gathering column ``j`` of the ordinary table at the position of ``j``'s axis
+(:meth:`edgebuild.export.graphs.BaseGraph._rope`): equal values, as the row at equal positions
+is the table row.
 
 Sources: transformers 5.14 ``models/qwen2_5_vl/modeling_qwen2_5_vl.py``
 (``Qwen2_5_VLModel.get_rope_index``, ``get_vision_position_ids``, ``Qwen2_5_VLRotaryEmbedding``,

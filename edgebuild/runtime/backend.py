@@ -30,6 +30,32 @@ class TargetStep:
 
 
 @dataclass
+class MultimodalPrefill:
+    """The image part of one sequence's prefill (a prompt with images, multimodal-RoPE target).
+
+    Both backends take the same description and splice the image rows themselves: the torch
+    backend over its host token embeddings, the TensorRT backend inside the base engine (the
+    image pad rows carry ids ``>= vocab_size`` that index its ``image_embeds`` input).
+
+    image_rows: int64 [N] ascending indices, among the prompt's P rows, of the image pad tokens.
+    image_embeds: [N, d] their embeddings in the same order (the vision tower's output: a host
+        tensor on the torch backend, a device tensor from the visual engine on TensorRT).
+    positions: int64 [3, P] (t, h, w) multimodal RoPE positions of the prompt rows.
+    rope_delta: decode step j (cache slot P + j) runs at position P + j + rope_delta on every
+        axis.
+    """
+
+    image_rows: torch.Tensor
+    image_embeds: torch.Tensor
+    positions: torch.Tensor
+    rope_delta: int
+
+    @property
+    def num_image_rows(self) -> int:
+        return int(self.image_rows.shape[0])
+
+
+@dataclass
 class Proposal:
     """A drafted block for one sequence.
 
@@ -58,8 +84,7 @@ class TargetBackend(Protocol):
         rows: list[torch.Tensor],  # per sequence int64 [n_b] new token ids
         logits_rows: list[list[int]],  # per sequence row indices (into its n_b rows)
         tap_layers: tuple[int, ...] = (),
-        inputs_embeds: list[torch.Tensor | None] | None = None,
-        positions: list[torch.Tensor | None] | None = None,  # per seq int64 [3, n_b] (mrope)
+        images: list[MultimodalPrefill | None] | None = None,  # per sequence (prefill only)
     ) -> TargetStep: ...
 
     def rollback(self, seq: Sequence, rows: int) -> None: ...

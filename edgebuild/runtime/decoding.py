@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edgebuild.runtime.backend import DraftBackend, Proposal, TargetBackend
+from edgebuild.runtime.backend import DraftBackend, MultimodalPrefill, Proposal, TargetBackend
 from edgebuild.runtime.kv_cache import Sequence
 from edgebuild.runtime.metrics import RequestMetrics
 from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
@@ -50,9 +50,7 @@ class RequestState:
     draft_seq: Sequence | None = None
     anchor: int | None = None  # committed token not yet in the target cache
     pending_features: torch.Tensor | None = None  # [m, n_t*d] target taps not yet in draft cache
-    prompt_embeds: torch.Tensor | None = None  # [P, d] multimodal prefill input
-    prompt_positions: torch.Tensor | None = None  # int64 [3, P] mrope positions (images)
-    rope_delta: int = 0  # decode positions = cache slot + rope_delta (multimodal RoPE)
+    prompt_images: MultimodalPrefill | None = None  # image rows + mrope positions (images)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     new_tokens: list[int] = field(default_factory=list)  # committed during the last step
 
@@ -163,14 +161,14 @@ class TargetOnlyDecoder:
         """Run the prompt and commit the first token; returns the prompt's taps (or None)."""
         t0 = time.perf_counter()
         rows = torch.tensor(st.prompt_ids, dtype=torch.int64)
-        st.seq.rope_delta = st.rope_delta
+        images = st.prompt_images
+        st.seq.rope_delta = images.rope_delta if images is not None else 0
         out = self.target.forward(
             [st.seq],
             [rows],
             [[len(st.prompt_ids) - 1]],
             tap_layers,
-            [st.prompt_embeds],
-            [st.prompt_positions] if st.prompt_positions is not None else None,
+            [images] if images is not None else None,
         )
         p = target_probs(out.logits[0][-1], st.params)
         token = sample(p, st.generator)

@@ -116,7 +116,7 @@ class LLM:
 
             rt = open_trt_runtime(resolved, spec)
             self.options, self.config = rt.runtime_options(self.options), rt.config
-            self.target_model, self.vision = None, None
+            self.target_model, self.vision = None, rt.vision  # vision: the visual engine
             self.target, self.draft = rt.target, rt.draft
             self.decoder = rt.decoder(spec)
             self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
@@ -230,8 +230,9 @@ class LLM:
     ) -> RequestState:
         """A RequestState with its own stop checker, generator and cache sequences.
 
-        With `images` (prompt from :meth:`encode_messages`), the vision tower runs here: the
-        state gets `prompt_embeds`, 3-axis `prompt_positions` and `rope_delta`.
+        With `images` (prompt from :meth:`encode_messages`), the vision tower (the visual
+        engine on the TensorRT backend) runs here: the state gets `prompt_images` (image rows,
+        their embeddings, 3-axis positions and `rope_delta`).
         """
         self.check_request(prompt_ids, params)
         eos = frozenset() if params.ignore_eos else self.eos_ids()
@@ -242,9 +243,7 @@ class LLM:
         if images and self.vision is None:
             raise ImageInputError(f"{self.model_dir} has no vision tower: images are not supported")
         if self.vision is not None and (images or self.vision.image_token_id in prompt_ids):
-            mm = self.vision.prepare(prompt_ids, images or [], self.target_model.embed)
-            st.prompt_embeds, st.prompt_positions = mm.embeds, mm.positions
-            st.rope_delta = mm.rope_delta
+            st.prompt_images = self.vision.prepare(prompt_ids, images or [])
         self.decoder.start(st)
         return st
 

@@ -1,16 +1,20 @@
 """Images in prompts: the runtime side of a vision-language target (Qwen2.5-VL layout).
 
-:class:`VisionEncoder` owns the vision tower and the image processor of a VLM checkpoint and
-turns a prompt with images into what the target's prefill needs:
+:class:`VisionEncoder` owns an image tower and the image processor of a VLM checkpoint and
+turns a prompt with images into what the target's prefill needs. The tower is anything with
+the :class:`ImageTower` surface: the torch :class:`~edgebuild.models.vision.VisionTower` (CPU
+backend) or the bundle's visual engine (:class:`edgebuild.runtime.trt_backend.TrtVisual`).
 
 1. :meth:`VisionEncoder.process`: PIL images -> :class:`ImageInput` (patch rows + grid);
 2. :meth:`VisionEncoder.expand_placeholders`: the chat template renders one image pad token
    per image (``<|vision_start|><|image_pad|><|vision_end|>``); the k-th pad becomes
    ``images[k].num_tokens`` pads (what transformers' processor does to the text);
-3. :meth:`VisionEncoder.prepare`: the vision tower's embeddings spliced over the pad rows of
-   the token embeddings (``prompt_embeds [P, d]``), the 3-axis mrope positions of the prompt
-   (``[3, P]``) and ``rope_delta``: decode step j then runs at position ``P + j + rope_delta``
-   on every axis (the target backend adds the delta to the cache slot).
+3. :meth:`VisionEncoder.prepare`: runs the tower and returns a
+   :class:`~edgebuild.runtime.backend.MultimodalPrefill`: the pad rows of the prompt, the
+   tower's embeddings for them, the 3-axis mrope positions of the prompt (``[3, P]``) and
+   ``rope_delta`` (decode step j then runs at position ``P + j + rope_delta`` on every axis).
+   The target backend splices the embeddings over the pad rows (torch: over its token
+   embeddings; TensorRT: inside the base engine, see :mod:`edgebuild.export.graphs`).
 
 The DSpark draft needs nothing special: the prefill returns the target's taps of every prompt
 row (image rows included) and the draft's context starts from them.
@@ -19,17 +23,18 @@ row (image rows included) and the draft's context starts from them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import RequestError
 from edgebuild.models.image_processing import ImageInput, ImageProcessor
-from edgebuild.models.vision import VisionTower
+from edgebuild.models.vision import VisionConfig, VisionTower
 from edgebuild.ops.mrope import mrope_position_ids
+from edgebuild.runtime.backend import MultimodalPrefill
 
 log = logging.getLogger("edgebuild.runtime")
 
@@ -40,18 +45,14 @@ class ImageInputError(RequestError):
     """Images and their placeholders in a prompt do not fit (count, model without vision)."""
 
 
-@dataclass
-class MultimodalPrompt:
-    """Prefill inputs of a prompt with images.
+class ImageTower(Protocol):
+    """What :class:`VisionEncoder` needs of a vision tower (torch module or visual engine)."""
 
-    embeds: [P, d] token embeddings with image embeddings over the pad rows (model dtype).
-    positions: int64 [3, P] (t, h, w) RoPE positions.
-    rope_delta: int, decode positions are cache slot + rope_delta.
-    """
+    config: VisionConfig
 
-    embeds: torch.Tensor
-    positions: torch.Tensor
-    rope_delta: int
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """One ``[tokens_k, out_hidden_size]`` embedding tensor per image, in order."""
+        ...
 
 
 def count_image_parts(messages: Sequence[dict]) -> int:
@@ -82,15 +83,16 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
 
 
 class VisionEncoder:
-    """The vision tower + image processor of a VLM checkpoint (CPU torch).
+    """An image tower + the image processor of a VLM checkpoint.
 
     Args:
-        tower: the loaded :class:`VisionTower`.
+        tower: the loaded :class:`VisionTower` (CPU) or the visual engine
+            (:class:`~edgebuild.runtime.trt_backend.TrtVisual`).
         processor: the checkpoint's :class:`ImageProcessor`.
         max_images: most images accepted in one prompt.
     """
 
-    def __init__(self, tower: VisionTower, processor: ImageProcessor, max_images: int = 8):
+    def __init__(self, tower: ImageTower, processor: ImageProcessor, max_images: int = 8):
         self.tower, self.processor = tower, processor
         self.config = tower.config
         self.image_token_id = self.config.image_token_id
@@ -135,21 +137,20 @@ class VisionEncoder:
                 out.append(t)
         return out
 
-    def prepare(
-        self,
-        prompt_ids: Sequence[int],
-        images: Sequence[ImageInput],
-        embed: Callable[[torch.Tensor], torch.Tensor],
-    ) -> MultimodalPrompt:
-        """Prefill embeddings and mrope positions of an expanded prompt.
+    def prepare(self, prompt_ids: Sequence[int], images: Sequence[ImageInput]) -> MultimodalPrefill:
+        """Run the tower; the image rows, their embeddings and the mrope positions of a prompt.
 
         Args:
-            prompt_ids: token ids with image pads already expanded.
+            prompt_ids: token ids with image pads already expanded (P of them).
             images: the preprocessed images, in prompt order.
-            embed: the target's token embedding (int64 [1, P] -> [1, P, d]).
+
+        Returns:
+            ``image_rows`` int64 [N] (the pad rows), ``image_embeds`` [N, d] (the tower's
+            dtype and device), ``positions`` int64 [3, P], ``rope_delta``.
 
         Raises:
-            ImageInputError: pad runs that do not match the images.
+            ImageInputError: pad runs that do not match the images (or, on the TensorRT
+                backend, more image tokens / images than the visual engine was built for).
         """
         pad = self.image_token_id
         ids = torch.tensor(list(prompt_ids), dtype=torch.int64)
@@ -166,9 +167,10 @@ class VisionEncoder:
             )
         except ValueError as exc:
             raise ImageInputError(f"image placeholders do not match the images: {exc}") from None
-        with torch.inference_mode():
-            embeds = embed(ids[None])[0].clone()  # [P, d]
-            if images:
-                feats = torch.cat(self.tower.encode(images))  # [want, d]
-                embeds[is_pad] = feats.to(embeds.dtype)
-        return MultimodalPrompt(embeds, positions, delta)
+        rows = is_pad.nonzero().flatten()  # [N]
+        if images:
+            with torch.inference_mode():
+                embeds = torch.cat(self.tower.encode(images))  # [N, d]
+        else:
+            embeds = torch.zeros(0, self.config.out_hidden_size)
+        return MultimodalPrefill(rows, embeds, positions, delta)

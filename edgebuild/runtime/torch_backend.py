@@ -12,7 +12,7 @@ import torch
 
 from edgebuild.models.common import PagedBatch
 from edgebuild.models.llama import LlamaForCausalLM
-from edgebuild.runtime.backend import TargetStep
+from edgebuild.runtime.backend import MultimodalPrefill, TargetStep
 from edgebuild.runtime.kv_cache import PageAllocator, Sequence, allocate_pools
 
 log = logging.getLogger("edgebuild.runtime")
@@ -91,34 +91,30 @@ class TorchTarget:
         rows: list[torch.Tensor],
         logits_rows: list[list[int]],
         tap_layers: tuple[int, ...] = (),
-        inputs_embeds: list[torch.Tensor | None] | None = None,
-        positions: list[torch.Tensor | None] | None = None,
+        images: list[MultimodalPrefill | None] | None = None,
     ) -> TargetStep:
         """Append `rows[b]` to sequence b and return logits of `logits_rows[b]` (+ taps).
 
         rows[b]: int64 [n_b]; logits_rows[b]: indices in [0, n_b). Returns fp32 logits
         [len(logits_rows[b]), V] per sequence and taps [n_b, n_t * d] when asked for.
-        RoPE positions: cache slot + `seq.rope_delta`, or `positions[b]` int64 [3, n_b]
-        (t, h, w) for a multimodal prefill of a multimodal-RoPE target.
+        RoPE positions: cache slot + `seq.rope_delta`; with `images[b]` (the prefill of a
+        prompt with images, multimodal-RoPE target) its 3-axis positions, and its image
+        embeddings replace the token embeddings of its image rows.
         """
         lengths = [int(r.shape[0]) for r in rows]
         width = max(lengths)
         slots = torch.tensor([s.length + s.rope_delta for s in seqs], dtype=torch.int64)
         flat = slots[:, None] + torch.arange(width)[None, :]  # [B, S]
         batch = make_batch(self.allocator, seqs, lengths, positions=flat)
-        mrope = None
-        if positions is not None and any(p is not None for p in positions):
-            mrope = flat[None].expand(3, -1, -1).clone()  # [3, B, S]
-            for b, p in enumerate(positions):
-                if p is not None:
-                    mrope[:, b, : p.shape[1]] = p
         ids = pad_rows(rows)
-        embeds = None
-        if inputs_embeds is not None and any(e is not None for e in inputs_embeds):
-            embeds = self.model.embed(ids)
-            for b, e in enumerate(inputs_embeds):
-                if e is not None:
-                    embeds[b, : e.shape[0]] = e.to(embeds.dtype)
+        mrope, embeds = None, None
+        if images is not None and any(m is not None for m in images):
+            mrope = flat[None].expand(3, -1, -1).clone()  # [3, B, S]
+            embeds = self.model.embed(ids)  # [B, S, d]
+            for b, m in enumerate(images):
+                if m is not None:
+                    mrope[:, b, : m.positions.shape[1]] = m.positions
+                    embeds[b, m.image_rows] = m.image_embeds.to(embeds.dtype)
         r_max = max(len(r) for r in logits_rows)
         sel = torch.zeros(len(seqs), r_max, dtype=torch.int64)
         for b, r in enumerate(logits_rows):

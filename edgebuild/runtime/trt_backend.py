@@ -28,14 +28,26 @@ One step of DSpark decoding on this backend (the words of :mod:`edgebuild.runtim
 Decode, verify and draft calls pass a CUDA-graph key ``(batch, rows, ...)`` to the engine
 runner (:mod:`edgebuild.runtime.trt_engine`), which captures shapes that repeat.
 
-Vision (seam): a VLM target's bundle has a ``visual`` role (``visual/model.onnx`` and, when
-built, ``visual/model.engine``, inputs from :class:`edgebuild.models.vision.VisionPlan`; see
-:mod:`edgebuild.export.visual`), and :func:`~edgebuild.runtime.trt_plan.role_profiles` knows
-its profile. What is still missing is on this side: the base engine takes token ids only (no
-``inputs_embeds`` input, no 3-axis multimodal positions) and no runner drives the visual
-engine. So a VLM bundle is refused here and a multimodal prefill (``inputs_embeds`` / 3-axis
-``positions``) with a :class:`~edgebuild.errors.ConfigError`; :func:`splice_image_embeds` is
-the device-side splice the base engine will use once it declares an ``inputs_embeds`` input.
+Images (a vision-language target; its bundle has a ``visual`` role and a multimodal base
+graph, see :mod:`edgebuild.export.graphs` and :mod:`edgebuild.export.visual`):
+
+1. :class:`TrtVisual` runs the ``visual`` engine once per request (when the request is
+   created): the host builds the :class:`~edgebuild.models.vision.VisionPlan` of its images
+   (window and segment indices, 2-D rotary rows, merge order) and binds it with the pixel
+   rows; the ``image_embeds`` output is copied, on the device, into a tensor the request keeps
+   until its prefill (the one per-request device allocation of this backend; the engine's
+   output buffer is reused by the next pass).
+2. The prefill runs the base engine's multimodal graph: the prompt's image pad rows carry the
+   ids ``vocab_size + k`` (prompt-table style) and row ``k`` of the ``image_embeds`` input is
+   filled, device to device, from the request's embeddings; the rows' RoPE positions are the
+   3-axis ``mrope_positions``. Decode and verify rows are text: 1-row table, positions
+   ``slot + rope_delta`` on every axis.
+3. The DSpark draft's first context is the multimodal prefill's taps (image rows included),
+   as for a text prompt.
+
+Checked on the CPU only (stand-in engines that run the exported graphs eagerly, in
+``tests/test_trt_vlm.py``); real TensorRT engines and GPU execution of this path have not been
+run here.
 """
 
 from __future__ import annotations
@@ -50,8 +62,11 @@ from typing import Protocol
 import torch
 
 from edgebuild.errors import ConfigError, EngineError, MissingDependencyError, RequestError
-from edgebuild.runtime.backend import Proposal, TargetStep
+from edgebuild.models.image_processing import ImageInput
+from edgebuild.models.vision import VisionConfig, VisionPlan
+from edgebuild.runtime.backend import MultimodalPrefill, Proposal, TargetStep
 from edgebuild.runtime.kv_cache import CacheCapacityError, PageAllocator, Sequence
+from edgebuild.runtime.multimodal import ImageInputError, VisionEncoder
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.trt_plan import (
     DTYPES,
@@ -90,7 +105,7 @@ class RoleBuffers:
 
     Args:
         plan: the backend's buffer plan.
-        role: ``base`` or ``draft``.
+        role: ``base``, ``draft`` or ``visual``.
         io: the role's declared I/O (binding order).
         device: where device buffers live (``cuda``; ``cpu`` in the CPU tests).
     """
@@ -202,29 +217,6 @@ class TapRing:
         self.live.pop(seq_id, None)
 
 
-def splice_image_embeds(
-    embeds: torch.Tensor,  # [S, d] device, token embeddings of one prompt
-    image_embeds: torch.Tensor,  # [P_img, d] device, the visual engine's output
-    rows: torch.Tensor,  # int64 [P_img] device, the image pad rows of the prompt
-) -> torch.Tensor:
-    """Write the visual engine's rows over the image pad rows, in place on the device."""
-    return embeds.index_copy_(0, rows, image_embeds.to(embeds.dtype))
-
-
-VISION_SEAM = (
-    "vision-language models on the TensorRT backend need a base engine with an inputs_embeds "
-    "input and a runner for the bundle's visual engine; neither exists yet (vision runs on "
-    "the torch backend: --backend torch)"
-)
-
-
-def _vision_seam(inputs_embeds, positions) -> None:
-    if (inputs_embeds is not None and any(e is not None for e in inputs_embeds)) or (
-        positions is not None and any(p is not None for p in positions)
-    ):
-        raise ConfigError(VISION_SEAM)
-
-
 def _pad(rows: list[list[int]] | list[torch.Tensor], width: int, fill: int = 0) -> torch.Tensor:
     out = torch.full((len(rows), width), fill, dtype=torch.int32)
     for b, r in enumerate(rows):
@@ -262,8 +254,28 @@ def _reserve(allocator: PageAllocator, limits: EngineLimits, seqs, lengths) -> N
 
 
 # ----------------------------------------------------------------------------- target
+IMAGE_TABLE = "image_embeds"  # the multimodal base engine's image-embedding input
+
+
+def _fill_image_table(
+    table: torch.Tensor,  # [N_call, d] device view of the base engine's image_embeds input
+    images: list[MultimodalPrefill | None],
+) -> None:
+    """Copy each prompt's image embeddings (device) into the call's table, in batch order
+    (the rows :meth:`TrtTarget._inputs` gave the ids ``vocab_size + row``)."""
+    offset = 0
+    for m in images:
+        if m is not None and m.num_image_rows:
+            n = m.num_image_rows
+            table[offset : offset + n].copy_(m.image_embeds)  # device to device
+            offset += n
+
+
 class TrtTarget:
     """TargetBackend on the ``base`` engine (module docstring).
+
+    A base engine with an ``image_embeds`` input (a VLM bundle) also runs multimodal
+    prefills (``images`` of :meth:`forward`); a text engine refuses them.
 
     Args:
         runner: the base engine runner.
@@ -295,6 +307,11 @@ class TrtTarget:
         has_taps = TAPS_OUTPUT in io.names()
         self.ring = TapRing(self.buffers.device_bufs[TAP_RING]) if has_taps else None
         self.generate = self._generate_profile()
+        self.multimodal = IMAGE_TABLE in io.names()
+        # image rows one call may carry (the prefill profile's image_tokens axis), 0: none
+        self.max_image_rows = (
+            max(p.shapes[IMAGE_TABLE][2][0] for p in profiles) if self.multimodal else 0
+        )
 
     def _generate_profile(self) -> int | None:
         """The profile decode/verify calls run in (CUDA-graph keys are only made for it)."""
@@ -322,45 +339,93 @@ class TrtTarget:
         rows: list[torch.Tensor],  # per sequence int64 [n_b]
         logits_rows: list[list[int]],
         tap_layers: tuple[int, ...] = (),
-        inputs_embeds: list[torch.Tensor | None] | None = None,
-        positions: list[torch.Tensor | None] | None = None,
+        images: list[MultimodalPrefill | None] | None = None,
     ) -> TargetStep:
         """Append ``rows[b]`` to sequence b; fp32 host logits of ``logits_rows[b]`` and, when
         asked, device taps [n_b, n_t * d] (views of the tap ring, valid until the sequence's
-        next forward). Batches larger than the engines' max batch run in chunks.
+        next forward). Batches larger than the engines' max batch (or, with images, than
+        one call's image rows) run in chunks.
+
+        ``images[b]``: the prefill of a prompt with images (its image rows and embeddings,
+        3-axis positions); see the module docstring.
+
+        Raises:
+            ConfigError: taps the engine was not built with; images for a base engine
+                without an ``image_embeds`` input.
+            RequestError: more rows than the engines' max input length, or one prompt with
+                more image rows than the engine's image table.
+            CacheCapacityError: a sequence beyond the engines' KV capacity.
         """
-        _vision_seam(inputs_embeds, positions)
+        images = list(images) if images is not None else [None] * len(seqs)
+        if any(m is not None for m in images) and not self.multimodal:
+            raise ConfigError(
+                "an image prompt on a base engine without an image_embeds input (a text "
+                "target's bundle, or a VLM bundle built before image support); rebuild the "
+                "bundle from the vision-language checkpoint with `edgebuild build`"
+            )
         if tap_layers and tuple(tap_layers) != self.tap_layers:
             raise ConfigError(
                 f"taps of layers {list(tap_layers)} asked for, but the base engine was built "
                 f"with taps {list(self.tap_layers)} (manifest roles.base.tap_layers)"
             )
         logits, taps = [], []
-        step = self.limits.max_batch
-        for i in range(0, len(seqs), step):
-            chunk = slice(i, i + step)
+        for chunk in self._chunks(images):
             out = self._forward_chunk(
-                seqs[chunk], rows[chunk], logits_rows[chunk], bool(tap_layers)
+                seqs[chunk], rows[chunk], logits_rows[chunk], bool(tap_layers), images[chunk]
             )
             logits += out[0]
             taps += out[1]
         return TargetStep(logits, taps if tap_layers else None)
 
-    def _inputs(self, seqs, rows, logits_rows) -> dict[str, torch.Tensor]:
+    def _chunks(self, images: list[MultimodalPrefill | None]) -> list[slice]:
+        """Consecutive calls of at most max-batch sequences and ``max_image_rows`` image rows."""
+        out, start, used = [], 0, 0
+        for i, m in enumerate(images):
+            n = m.num_image_rows if m is not None else 0
+            if n > self.max_image_rows:
+                raise RequestError(
+                    f"a prompt with {n} image rows; the base engine takes at most "
+                    f"{self.max_image_rows} per call (build.max_image_tokens)"
+                )
+            if i - start == self.limits.max_batch or used + n > self.max_image_rows:
+                out.append(slice(start, i))
+                start, used = i, 0
+            used += n
+        out.append(slice(start, len(images)))
+        return out
+
+    def _inputs(self, seqs, rows, logits_rows, images) -> dict[str, torch.Tensor]:
+        """Host inputs of one call; image pad rows get the ids ``vocab_size + table row``."""
         lengths = [int(r.shape[0]) for r in rows]
         width, r_max = max(lengths), max(len(r) for r in logits_rows)
         slots = torch.tensor([s.length + s.rope_delta for s in seqs], dtype=torch.int32)
         sel = [list(r) + [r[-1] if r else 0] * (r_max - len(r)) for r in logits_rows]
-        return {
-            "input_ids": _pad(rows, width),
-            "positions": slots[:, None] + torch.arange(width, dtype=torch.int32)[None, :],
+        ids = _pad(rows, width)  # [B, S]
+        positions = slots[:, None] + torch.arange(width, dtype=torch.int32)[None, :]  # [B, S]
+        inputs = {
+            "input_ids": ids,
             "past_lengths": torch.tensor([s.length for s in seqs], dtype=torch.int32),
             "input_lengths": torch.tensor(lengths, dtype=torch.int32),
             "logits_rows": _pad(sel, r_max),
             "page_table": _page_table(self.allocator, seqs, self.limits.pages_per_seq),
         }
+        if not self.multimodal:
+            inputs["positions"] = positions
+            return inputs
+        mrope = positions[None].expand(3, -1, -1).clone()  # [3, B, S]: text rows t = h = w
+        offset = 0
+        for b, m in enumerate(images):
+            if m is None:
+                continue
+            n = m.num_image_rows
+            table_rows = torch.arange(offset, offset + n, dtype=torch.int32)
+            ids[b, m.image_rows] = self.vocab_size + table_rows
+            mrope[:, b, : m.positions.shape[1]] = m.positions.to(torch.int32)
+            offset += n
+        inputs["mrope_positions"] = mrope
+        return inputs
 
-    def _forward_chunk(self, seqs, rows, logits_rows, want_taps: bool):
+    def _forward_chunk(self, seqs, rows, logits_rows, want_taps: bool, images):
         lengths = [int(r.shape[0]) for r in rows]
         width = max(lengths)
         if width > self.limits.max_input_len:
@@ -371,12 +436,19 @@ class TrtTarget:
         _reserve(self.allocator, self.limits, seqs, lengths)
         old = [s.length for s in seqs]
         try:
-            inputs = self._inputs(seqs, rows, logits_rows)
+            inputs = self._inputs(seqs, rows, logits_rows, images)
             shapes = {k: tuple(v.shape) for k, v in inputs.items()}
+            device_shapes = self._output_shapes(len(seqs), width, shapes)
+            if self.multimodal:  # the image table: device rows, at least one
+                n_img = sum(m.num_image_rows for m in images if m is not None)
+                width_d = int(self.io.get(IMAGE_TABLE).dims[-1])
+                shapes[IMAGE_TABLE] = device_shapes[IMAGE_TABLE] = (max(1, n_img), width_d)
             profile = choose_profile(self.profiles, shapes)
             key = (len(seqs), width, shapes["logits_rows"][1]) if profile == self.generate else None
             with _on(self.stream):
-                views = self.buffers.bind(inputs, self._output_shapes(len(seqs), width, shapes))
+                views = self.buffers.bind(inputs, device_shapes)
+                if self.multimodal:
+                    _fill_image_table(views[IMAGE_TABLE], images)
                 self.runner.execute(profile, views, key)
                 host_logits = self.buffers.read_back("logits", views["logits"])
                 taps = []
@@ -579,6 +651,77 @@ class TrtDraft:
         return out
 
 
+# ----------------------------------------------------------------------------- visual
+class TrtVisual:
+    """The ``visual`` engine as an image tower (:class:`~edgebuild.runtime.multimodal.ImageTower`).
+
+    One engine call per request (all its images in one pass, module docstring step 1).
+
+    Args:
+        runner: the visual engine runner.
+        io, profiles, plan: the role's declared I/O, optimization profile and the buffer plan.
+        config: the checkpoint's vision config (patch geometry, merge size, window size).
+        device, stream: as for :class:`TrtTarget`.
+
+    Attributes:
+        max_tokens: image tokens one pass accepts (``build.max_image_tokens``).
+        max_images: images one pass accepts (``build.max_images``).
+    """
+
+    def __init__(
+        self,
+        runner: EngineRunner,
+        io: RoleIO,
+        profiles: list[Profile],
+        plan: BufferPlan,
+        config: VisionConfig,
+        device: torch.device | str = "cuda",
+        stream=None,
+    ):
+        self.runner, self.io, self.profiles, self.stream = runner, io, profiles, stream
+        self.config = config
+        self.buffers = RoleBuffers(plan, "visual", io, device)
+        self.dtype = DTYPES[io.get("pixel_values").dtype]
+        self.width = int(io.get("image_embeds").dims[-1])
+        if self.width != config.out_hidden_size:
+            raise EngineError(
+                f"the visual engine's image_embeds are {self.width} wide but the checkpoint's "
+                f"vision_config.out_hidden_size is {config.out_hidden_size}; rebuild the bundle"
+            )
+        # the profile's largest token axis (merge_order) and segment axis (one per image)
+        self.max_tokens = max(p.shapes["merge_order"][2][0] for p in profiles)
+        self.max_images = max(p.shapes["full_index"][2][0] for p in profiles)
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Embeddings of preprocessed images: one ``[tokens_k, out_hidden_size]`` device tensor
+        per image (engine dtype), in order.
+
+        Raises:
+            ImageInputError: more image tokens or images than the engine was built for.
+        """
+        plan = VisionPlan.build(self.config, [im.grid_thw for im in images])
+        frames = int(plan.full.index.shape[0])
+        if plan.num_tokens > self.max_tokens or frames > self.max_images:
+            raise ImageInputError(
+                f"{len(images)} images of {plan.num_tokens} image tokens in one request; the "
+                f"visual engine takes at most {self.max_images} images of {self.max_tokens} "
+                "tokens (build.max_images / build.max_image_tokens): send fewer or smaller "
+                "images, or rebuild the bundle with larger limits"
+            )
+        pixels = torch.cat([im.pixel_values for im in images]).to(self.dtype)
+        inputs = plan.engine_inputs(pixels)
+        profile = choose_profile(self.profiles, {k: tuple(v.shape) for k, v in inputs.items()})
+        with _on(self.stream):
+            views = self.buffers.bind(inputs, {"image_embeds": (plan.num_tokens, self.width)})
+            self.runner.execute(profile, views, None)
+            out = views["image_embeds"].clone()  # the request's copy: the buffer is reused
+        if self.stream is not None:
+            self.stream.synchronize()  # the host staging of this pass is reused by the next
+        cu = plan.cu_tokens
+        return [out[cu[k] : cu[k + 1]] for k in range(len(images))]
+
+
 # ----------------------------------------------------------------------------- loading
 @dataclass(frozen=True)
 class TrtOptions:
@@ -601,17 +744,23 @@ class TrtRuntime:
     config: object  # the target's ModelConfig
     plan: BufferPlan
     runners: dict[str, object] = field(default_factory=dict)
+    vision: VisionEncoder | None = None  # the visual engine + image processor (VLM bundles)
 
     def runtime_options(self, options):
-        """RuntimeOptions clamped to the engines (per-sequence capacity, prompt, page size)."""
+        """RuntimeOptions clamped to the engines (per-sequence capacity, prompt, page size,
+        images per prompt)."""
         from dataclasses import replace
 
         lim = self.plan.limits
+        images = options.max_images
+        if self.vision is not None:
+            images = min(images, self.vision.max_images)
         return replace(
             options,
             max_kv_rows=lim.kv_capacity,
             max_input_len=lim.max_input_len,
             page_size=lim.page_size,
+            max_images=images,
         )
 
     def decoder(self, spec):
@@ -649,12 +798,105 @@ def _check_spec(manifest: dict, spec, limits: EngineLimits, bundle: Path) -> boo
     return True
 
 
+def _check_vision(manifest: dict, config, bundle: Path) -> bool:
+    """True when the target is a VLM (the visual engine is to be loaded).
+
+    Raises:
+        ConfigError: a VLM target whose bundle has no built visual engine, or whose base
+            engine has no image inputs (built before image support).
+    """
+    if config.vision_config is None:
+        return False
+    roles = manifest.get("roles") or {}
+    if not (roles.get("visual") or {}).get("engine"):
+        raise ConfigError(
+            f"{bundle}: the target is a vision-language model but the bundle has no visual "
+            "engine (manifest roles.visual); rebuild it with `edgebuild build`, or use "
+            "--backend torch"
+        )
+    names = {e.get("name") for e in (roles.get("base") or {}).get("inputs") or ()}
+    if IMAGE_TABLE not in names:
+        raise ConfigError(
+            f"{bundle}: the target is a vision-language model but the base engine has no "
+            f"{IMAGE_TABLE} input (built before image support); rebuild the bundle with "
+            "`edgebuild build`, or use --backend torch"
+        )
+    return True
+
+
+def assemble_runtime(
+    manifest: dict,
+    source,
+    runners: dict[str, EngineRunner],
+    device: torch.device | str = "cuda",
+    stream=None,
+) -> TrtRuntime:
+    """The backends over already loaded engine runners (``base``, and ``draft`` / ``visual``
+    when present): buffers from :func:`plan_buffers`, the draft's settings from the manifest,
+    the vision config and image processor from ``source`` (the target checkpoint's
+    :class:`~edgebuild.checkpoint.source.WeightSource`, as on the torch backend). The CPU
+    tests pass stand-in runners and ``device="cpu"``.
+
+    Raises:
+        BundleError / ConfigError / EngineError: a manifest that does not describe the roles.
+    """
+    from edgebuild.checkpoint.config import ModelConfig
+    from edgebuild.models.image_processing import ImageProcessor
+
+    config = ModelConfig.from_dict(source.config, str(source.config_path))
+    plan = plan_buffers(manifest)
+    base = manifest["roles"]["base"]
+    target = TrtTarget(
+        runners["base"],
+        role_io(manifest, "base"),
+        role_profiles(manifest, "base"),
+        plan,
+        tuple(base.get("tap_layers") or ()),
+        config.max_position_embeddings,
+        device,
+        stream,
+    )
+    draft = None
+    if "draft" in runners:
+        dspark = manifest["dspark"]
+        draft = TrtDraft(
+            runners["draft"],
+            role_io(manifest, "draft"),
+            role_profiles(manifest, "draft"),
+            plan,
+            int(dspark["block_size"]),
+            tuple(dspark["target_layer_ids"]),
+            target.vocab_size,
+            device,
+            stream,
+        )
+    vision = None
+    if "visual" in runners:
+        vcfg = VisionConfig.from_model_config(source.config, str(source.config_path))
+        tower = TrtVisual(
+            runners["visual"],
+            role_io(manifest, "visual"),
+            role_profiles(manifest, "visual"),
+            plan,
+            vcfg,
+            device,
+            stream,
+        )
+        processor = ImageProcessor.from_dir(Path(source.path), vcfg)
+        vision = VisionEncoder(tower, processor, tower.max_images)
+    log.info("TensorRT backend: %s", plan.summary())
+    return TrtRuntime(target, draft, config, plan, dict(runners), vision)
+
+
 def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRuntime:
     """Load a bundle's engines onto the GPU (``resolved``: :func:`resolve_model_path`'s result).
 
+    A VLM bundle also loads its ``visual`` engine (:class:`TrtVisual`). Not run here: this
+    needs TensorRT and a CUDA GPU (the CPU tests go through :func:`assemble_runtime`).
+
     Raises:
-        ConfigError: not a bundle, a vision model, a speculative config the engines cannot
-            run.
+        ConfigError: not a bundle, a VLM bundle without a visual engine or image inputs
+            (:func:`_check_vision`), a speculative config the engines cannot run.
         MissingDependencyError: no tensorrt / CUDA torch / plugin library (how to build it).
         EngineError / BundleError: engines that do not match the manifest.
     """
@@ -673,20 +915,19 @@ def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRu
     bundle, manifest = Path(resolved.bundle), resolved.manifest
     source = WeightSource(resolved.target)
     config = ModelConfig.from_dict(source.config, str(source.config_path))
-    if config.vision_config is not None:
-        raise ConfigError(f"{resolved.target} is a vision-language model: {VISION_SEAM}")
+    with_visual = _check_vision(manifest, config, bundle)
     trt = load_tensorrt_runtime()
     if not torch.cuda.is_available():
         raise MissingDependencyError("the TensorRT backend needs a CUDA GPU visible to torch")
     if manifest.get("graph_kind") == "plugin":
         library = options.plugin_library or plugin_library_path()
         load_plugin_library(trt.get_plugin_registry(), manifest["plugin"], library, bundle)
-    plan, limits = plan_buffers(manifest), EngineLimits.from_manifest(manifest)
+    limits = EngineLimits.from_manifest(manifest)
     with_draft = _check_spec(manifest, spec, limits, bundle)
     stream = torch.cuda.Stream()
-    runners = {}
-    for role in ("base", "draft") if with_draft else ("base",):
-        runners[role] = TrtEngineRunner(
+    roles = ["base", *(["draft"] if with_draft else []), *(["visual"] if with_visual else [])]
+    runners = {
+        role: TrtEngineRunner(
             trt,
             bundle / manifest["roles"][role]["engine"],
             role_io(manifest, role),
@@ -694,30 +935,6 @@ def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRu
             stream,
             options.cuda_graphs,
         )
-    base = manifest["roles"]["base"]
-    target = TrtTarget(
-        runners["base"],
-        role_io(manifest, "base"),
-        role_profiles(manifest, "base"),
-        plan,
-        tuple(base.get("tap_layers") or ()),
-        config.max_position_embeddings,
-        "cuda",
-        stream,
-    )
-    draft = None
-    if with_draft:
-        dspark = manifest["dspark"]
-        draft = TrtDraft(
-            runners["draft"],
-            role_io(manifest, "draft"),
-            role_profiles(manifest, "draft"),
-            plan,
-            int(dspark["block_size"]),
-            tuple(dspark["target_layer_ids"]),
-            target.vocab_size,
-            "cuda",
-            stream,
-        )
-    log.info("TensorRT backend: %s", plan.summary())
-    return TrtRuntime(target, draft, config, plan, runners)
+        for role in roles
+    }
+    return assemble_runtime(manifest, source, runners, "cuda", stream)

@@ -11,7 +11,9 @@ Owns
   profile admits, the per-layer KV page pools (``present_kv_cache_i`` aliases
   ``kv_cache_i``: the plugin updates the pool in place), host staging for the inputs written
   from the host and the outputs read back, and the device ring that carries the base engine's
-  tapped hidden states to the draft engine.
+  tapped hidden states to the draft engine. A VLM bundle's ``visual`` role gets its buffers
+  too; its ``image_embeds`` output and the base engine's ``image_embeds`` input stay on the
+  device (never staged on the host).
 * :func:`check_io_contract`: an engine's actual I/O (names, input/output, dtypes, ranks,
   static dims) against what the exporter declared (the manifest's ``roles.<role>.inputs`` /
   ``outputs``, which are ``BaseGraph.io()`` / ``DraftGraph.io()``).
@@ -48,6 +50,7 @@ HOST_INPUTS = frozenset(
     {
         "input_ids",
         "positions",
+        "mrope_positions",
         "past_lengths",
         "input_lengths",
         "logits_rows",
@@ -56,6 +59,17 @@ HOST_INPUTS = frozenset(
         "context_lengths",
         "anchor_ids",
         "block_positions",
+        # the visual engine's inputs: the host's VisionPlan of the pass
+        "pixel_values",
+        "patch_order",
+        "rope_cos_sin",
+        "full_index",
+        "full_valid",
+        "full_slot",
+        "window_index",
+        "window_valid",
+        "window_slot",
+        "merge_order",
     }
 )
 # outputs the host reads back each call
@@ -246,7 +260,7 @@ class BufferSpec:
     """One buffer allocated once by the backend.
 
     Attributes:
-        role: engine role (``base`` / ``draft``).
+        role: engine role (``base`` / ``draft`` / ``visual``).
         name: the engine tensor it backs (or :data:`TAP_RING`).
         dtype: manifest dtype name.
         shape: its largest shape (the allocation).
@@ -354,7 +368,7 @@ def plan_buffers(manifest: dict) -> BufferPlan:
     """
     limits = EngineLimits.from_manifest(manifest)
     plan = BufferPlan(limits)
-    for role in ("base", "draft"):
+    for role in ("base", "draft", "visual"):
         if role in (manifest.get("roles") or {}):
             plan.buffers += _role_buffers(manifest, role, limits)
     return plan
