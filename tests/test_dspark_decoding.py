@@ -400,3 +400,25 @@ def test_bad_speculative_configs_fail_before_any_model_runs(tiny, tmp_path):
         bad = make_random_draft(tmp_path / name, target_dir, block_size=7, overrides=override)
         with pytest.raises(exc, match=text):
             prepare_draft(SpeculativeConfig.parse(_spec(bad)), src)
+
+
+def test_draft_top_k_defaults_to_the_drafts_markov_topk(tiny, tmp_path):
+    """vLLM's hf_config ``markov_topk`` (top level or in dflash_config) sets the default."""
+    target_dir, _ = tiny
+    plain = make_random_draft(tmp_path / "plain", target_dir, block_size=7)
+    assert SpeculativeConfig.parse(_spec(plain)).draft_top_k == 16
+    top = make_random_draft(
+        tmp_path / "top", target_dir, block_size=7, overrides={"markov_topk": 5}
+    )
+    nested = make_random_draft(
+        tmp_path / "nested", target_dir, block_size=7, overrides={"dflash_config.markov_topk": 0}
+    )
+    assert SpeculativeConfig.parse(_spec(top)).draft_top_k == 5
+    assert SpeculativeConfig.parse(_spec(nested)).draft_top_k == 0
+    assert SpeculativeConfig.parse(_spec(top, draft_top_k=3)).draft_top_k == 3  # explicit wins
+    for value in (-1, "16", True):
+        bad = make_random_draft(
+            tmp_path / f"bad{value}", target_dir, block_size=7, overrides={"markov_topk": value}
+        )
+        with pytest.raises(ConfigError, match=r"config.json: field 'markov_topk'"):
+            SpeculativeConfig.parse(_spec(bad))

@@ -129,14 +129,16 @@ def recipe_from_flags(
     device: str = "thor",
     precision: str | None = None,
     num_speculative_tokens: int | None = None,
-    draft_top_k: int = 16,
+    draft_top_k: int | None = None,
     confidence_threshold: float = 0.0,
     **build: int,
 ) -> Recipe:
     """A :class:`Recipe` for ``edgebuild build CKPT [--draft D]`` and its flags.
 
     ``precision`` defaults to the checkpoint's (nvfp4 / fp8 when quantized, else bf16 or fp16
-    from its dtype); ``num_speculative_tokens`` to the draft's ``block_size`` (at most 16).
+    from its dtype); ``num_speculative_tokens`` to the draft's ``block_size`` (at most 16);
+    ``draft_top_k`` to the draft's ``markov_topk`` (else 16, see
+    :func:`edgebuild.runtime.speculative.default_draft_top_k`).
     ``build`` holds the other ``build:`` keys (``max_batch_size``, ``max_input_len``, ...).
 
     Raises:
@@ -160,6 +162,10 @@ def recipe_from_flags(
             dcfg = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))
             block = dcfg.get("block_size") or (dcfg.get("dflash_config") or {}).get("block_size")
             num_speculative_tokens = min(int(block or 7), 16)
+        if draft_top_k is None:
+            from edgebuild.runtime.speculative import default_draft_top_k
+
+            draft_top_k = default_draft_top_k(Path(draft))
         spec = SpeculativeSettings(
             num_speculative_tokens=num_speculative_tokens,
             draft_top_k=draft_top_k,

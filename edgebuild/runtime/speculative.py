@@ -3,6 +3,10 @@
 Keys follow vLLM and TensorRT-Edge-LLM: `method`, `model`, `num_speculative_tokens`, plus
 `draft_top_k` (top-k base candidates of the Markov walk; 0 = full vocabulary) and
 `confidence_threshold` (static cutoff; 0 = off). One declarative record per method.
+
+When `draft_top_k` is not given, the draft's own recommendation is used: vLLM's hf_config key
+`markov_topk` in the draft's `config.json` (top level or inside `dflash_config`; spec
+draft-checkpoint-formats.md section 3, "Top-k pruning"), else 16 (the ORT / vLLM default).
 """
 
 from __future__ import annotations
@@ -19,6 +23,32 @@ SUPPORTED_METHODS: dict[str, str] = {
 }
 PLANNED_METHODS = ("eagle3", "dflash")
 _KEYS = {"method", "model", "num_speculative_tokens", "draft_top_k", "confidence_threshold"}
+DEFAULT_DRAFT_TOP_K = 16
+
+
+def default_draft_top_k(draft_dir: Path) -> int:
+    """The draft's recommended Markov-walk candidate count (``markov_topk``), else 16.
+
+    Reads ``config.json`` of ``draft_dir``: top-level ``markov_topk`` (vLLM's hf_config
+    spelling) or ``dflash_config.markov_topk``; 0 means the full vocabulary.
+
+    Raises:
+        ConfigError: an unreadable config.json, or a ``markov_topk`` that is not an integer
+            >= 0 (names the file and the fix).
+    """
+    path = Path(draft_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
+    nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    value = cfg.get("markov_topk", nested.get("markov_topk", DEFAULT_DRAFT_TOP_K))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(
+            f"{path}: field 'markov_topk' is {value!r}; use an integer >= 0 (0 = full "
+            "vocabulary) or remove it (default 16)"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -29,14 +59,15 @@ class SpeculativeConfig:
         method: one of SUPPORTED_METHODS.
         model: draft checkpoint directory.
         num_speculative_tokens: drafts per step, 1..block_size (checked against the draft).
-        draft_top_k: candidates per position for the Markov walk (default 16; 0 = full vocab).
+        draft_top_k: candidates per position for the Markov walk (0 = full vocab); default:
+            the draft's ``markov_topk`` (:func:`default_draft_top_k`), else 16.
         confidence_threshold: static confidence cutoff in [0, 1) (0 = off).
     """
 
     method: str
     model: Path
     num_speculative_tokens: int
-    draft_top_k: int = 16
+    draft_top_k: int = DEFAULT_DRAFT_TOP_K
     confidence_threshold: float = 0.0
 
     @classmethod
@@ -83,7 +114,7 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {n!r}"
             )
-        top_k = value.get("draft_top_k", 16)
+        top_k = value["draft_top_k"] if "draft_top_k" in value else default_draft_top_k(model)
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
             raise ConfigError(
                 f"--speculative-config: draft_top_k must be an integer >= 0, got {top_k!r}"
