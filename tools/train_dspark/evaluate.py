@@ -25,17 +25,15 @@ import torch
 
 from edgebuild.runtime.llm import LLM
 from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.speculative import default_draft_top_k
 from tools.train_dspark.prompts import DATA_DIR, read_jsonl
 
 
 def run_pair(target: Path, draft: Path, prompts: list[str], args) -> dict:
     """DSpark and target-only on the same LLM (same weights); batched in chunks."""
-    spec = {
-        "method": "dspark",
-        "model": str(draft),
-        "num_speculative_tokens": args.n,
-        "draft_top_k": args.top_k,
-    }
+    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": args.n}
+    if args.top_k is not None:  # else the draft's markov_topk (config.json), else 16
+        spec["draft_top_k"] = args.top_k
     llm = LLM(target, speculative=spec)
     from edgebuild.runtime.decoding import TargetOnlyDecoder
 
@@ -110,7 +108,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--n", type=int, default=7)
-    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=None, help="default: the draft's markov_topk")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--report-only", action="store_true", help="Merge eval_*.json, plot.")
@@ -129,7 +127,7 @@ def main() -> None:
             prompt_file=str(args.prompts),
             max_tokens=args.max_tokens,
             num_speculative_tokens=args.n,
-            draft_top_k=args.top_k,
+            draft_top_k=default_draft_top_k(args.draft) if args.top_k is None else args.top_k,
             greedy=True,
             eval_wall_s=round(time.perf_counter() - t0, 1),
         )

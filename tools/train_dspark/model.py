@@ -43,8 +43,13 @@ def draft_config_dict(
     block_size: int,
     markov_rank: int,
     mask_token_id: int,
+    markov_topk: int = 64,
 ) -> dict:
-    """A ``DSparkDraftModel``-packaged config.json (fields in ``dflash_config``) for the target."""
+    """A ``DSparkDraftModel``-packaged config.json (fields in ``dflash_config``) for the target.
+
+    ``markov_topk`` (vLLM's hf_config key) is the Markov walk's recommended candidate count,
+    the runtime's default ``draft_top_k`` for this draft.
+    """
     d = target_cfg["hidden_size"]
     heads = target_cfg["num_attention_heads"]
     kv = target_cfg.get("num_key_value_heads", heads)
@@ -67,6 +72,7 @@ def draft_config_dict(
         "layer_types": ["full_attention"] * num_layers,
         "block_size": block_size,
         "num_target_layers": target_cfg["num_hidden_layers"],
+        "markov_topk": markov_topk,
         "dtype": "bfloat16",
         "dflash_config": {
             "projector_type": "dspark",
@@ -93,6 +99,7 @@ def build_draft(
 
     ``init_layers_from[i]`` = the target layer whose attention projections, MLP and norms
     initialise draft layer ``i`` (None: random init, std 0.02); q_norm / k_norm start at 1.
+    The final ``norm`` starts as the target's ``model.norm`` (same head, same logit scale).
     The Markov head starts as W1 ~ N(0, 0.02), W2 = 0 (zero bias); the confidence head at 0.
     """
     torch.manual_seed(seed)
@@ -111,6 +118,8 @@ def build_draft(
         model.embed_tokens.weight.copy_(embed)
         head = target_tensors.get("lm_head.weight", embed)
         model.lm_head.weight.copy_(head.float())
+        # the draft's h goes through the target's head: start from the target's final norm
+        model.norm.weight.copy_(target_tensors["model.norm.weight"].float())
         model.markov_head.markov_w2.weight.zero_()
         model.confidence_head.proj.weight.zero_()
         for i, src in enumerate(init_layers_from or []):

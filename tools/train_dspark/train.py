@@ -38,6 +38,7 @@ from tools.train_dspark.model import (
     markov_prev_ids,
     save_checkpoint,
     train_forward,
+    trainable_state,
 )
 
 POSITION_DECAY = 4.0  # w_k = exp(-k / 4)
@@ -149,11 +150,42 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
+def _jsonable(v):
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def resume_weights(model, draft_cfg: dict, ckpt: Path) -> None:
+    """Load a saved draft's trainable tensors (its ``config.json`` must match ``draft_cfg``)."""
+    saved = json.loads((ckpt / "config.json").read_text())
+    if saved != draft_cfg:
+        diff = sorted(k for k in set(saved) | set(draft_cfg) if saved.get(k) != draft_cfg.get(k))
+        raise SystemExit(f"--resume-from {ckpt}: config.json differs from this run in {diff}")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    own = trainable_state(model)
+    if set(tensors) != set(own):
+        raise SystemExit(f"--resume-from {ckpt}: tensors differ: {sorted(set(tensors) ^ set(own))}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in tensors:
+                p.copy_(tensors[name].float())
+    print(f"resumed {len(tensors)} tensors from {ckpt}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, default=Path("examples/smollm2-135m"))
-    ap.add_argument("--features", type=Path, required=True)
+    ap.add_argument("--features", type=Path, nargs="+", required=True, help="feature folders")
     ap.add_argument("--val-features", type=Path, default=None)
+    ap.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        help="a draft checkpoint folder (e.g. the shipped one) whose weights start training",
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--init-from", type=int, nargs="*", default=None)
@@ -175,7 +207,10 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
-    meta = json.loads((args.features / "meta.json").read_text())
+    metas = [json.loads((f / "meta.json").read_text()) for f in args.features]
+    if any(m["taps"] != metas[0]["taps"] for m in metas):
+        raise SystemExit(f"--features folders tap different layers: {[m['taps'] for m in metas]}")
+    meta = metas[0]
     target_cfg = json.loads((args.target / "config.json").read_text())
     target_tensors = load_file(str(args.target / "model.safetensors"))
     draft_cfg = draft_config_dict(
@@ -190,7 +225,9 @@ def main() -> None:
         draft_cfg, target_cfg, target_tensors, init_layers_from=args.init_from, seed=args.seed
     )
     del target_tensors
-    seqs = load_shards(args.features)
+    if args.resume_from is not None:
+        resume_weights(model, draft_cfg, args.resume_from)
+    seqs = [s for f in args.features for s in load_shards(f)]
     val = load_shards(args.val_features) if args.val_features else []
     n_tok = sum(len(s["ids"]) - s["prompt_len"] for s in seqs)
     print(f"{len(seqs)} train sequences ({n_tok} answer tokens), {len(val)} val", flush=True)
@@ -235,7 +272,7 @@ def main() -> None:
         "train_s": round(time.perf_counter() - t0, 1),
         "sequences": len(seqs),
         "answer_tokens": n_tok,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: _jsonable(v) for k, v in vars(args).items()},
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary), flush=True)
