@@ -19,12 +19,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from dspark_fixtures import make_random_draft
 from serve_fixtures import torch_threads
 from test_dspark_decoding import load_draft, write_tiny_target
 from test_trt_backend import GraphRunner, RecordingDSpark, graph_io, strong_markov
 from test_vlm_parity import hf_inputs
-from vlm_fixtures import IMAGE_PAD, hf_model, hf_processor, noise_image, write_tiny_vlm
+from vlm_fixtures import (
+    IMAGE_PAD,
+    hf_model,
+    hf_processor,
+    noise_image,
+    vlm_with_random_draft,
+)
 
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import ConfigError
@@ -34,7 +39,7 @@ from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.models.vision import VisionTower
 from edgebuild.ops.rope import rope_cos_sin_table
 from edgebuild.runtime.decoding import RequestState, run_to_completion
-from edgebuild.runtime.llm import LLM, RuntimeOptions
+from edgebuild.runtime.llm import RuntimeOptions
 from edgebuild.runtime.multimodal import ImageInputError
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.torch_backend import TorchTarget
@@ -60,11 +65,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trt-vlm")
-    target = write_tiny_vlm(root / "vlm")
-    draft = make_random_draft(root / "draft", target, block_size=5, num_layers=1)
-    base = LLM(target, options=OPTIONS)
-    return target, draft, base
+    return vlm_with_random_draft(tmp_path_factory.mktemp("trt-vlm"), OPTIONS)
 
 
 def _fill_rope(graph, rotary_dim, rope):

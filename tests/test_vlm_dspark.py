@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_fixtures import make_random_draft
 from serve_fixtures import torch_threads
-from vlm_fixtures import noise_image, write_tiny_vlm
+from vlm_fixtures import noise_image, vlm_with_random_draft
 
 from edgebuild.runtime.backend import Proposal
 from edgebuild.runtime.decoding import DSparkDecoder, RequestState, run_to_completion
@@ -37,11 +36,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vlm-dspark")
-    target = write_tiny_vlm(root / "vlm")
-    draft = make_random_draft(root / "draft", target, block_size=5, num_layers=1)
-    base = LLM(target, options=OPTIONS)
-    return target, draft, base
+    return vlm_with_random_draft(tmp_path_factory.mktemp("vlm-dspark"), OPTIONS)
 
 
 def requests(llm):

@@ -125,6 +125,17 @@ def write_tiny_vlm(out: Path, layout: str = "nested", seed: int = 0):
     return out
 
 
+def vlm_with_random_draft(root: Path, options):
+    """(target dir, random DSpark draft dir (block 5, 1 layer), ``LLM`` of the target)."""
+    from dspark_fixtures import make_random_draft
+
+    from edgebuild.runtime.llm import LLM
+
+    target = write_tiny_vlm(root / "vlm")
+    draft = make_random_draft(root / "draft", target, block_size=5, num_layers=1)
+    return target, draft, LLM(target, options=options)
+
+
 def flatten_config(path: Path) -> None:
     """Rewrite a nested transformers-5 VLM config.json in the flat hub layout."""
     cfg = json.loads(path.read_text())
