@@ -8,6 +8,7 @@ worker is joined) before the thread is joined.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -79,6 +80,28 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
+    "{% if add_generation_prompt %}t5{% endif %}"
+)
+
+
+def write_tiny_chat_model(out: Path, seed: int = 0, **overrides) -> Path:
+    """A random tiny Llama (vocab 256, 256 positions) with a word-level tokenizer over
+    ``t0 .. t255`` (t1 = EOS) and a chat template: a model that decodes a step in about a
+    millisecond, for server tests that need many requests."""
+    from export_fixtures import make_tiny_target, write_tiny_tokenizer
+
+    out = make_tiny_target(Path(out), arch="llama", seed=seed, **overrides)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    write_tiny_tokenizer(out, vocab)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = TINY_CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return out
 
 
 def free_pages(llm) -> tuple[int, int | None]:

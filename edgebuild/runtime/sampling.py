@@ -14,6 +14,7 @@ import torch
 from edgebuild.errors import RequestError
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (DeepSpec utils/sampling.py)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class SamplingParams:
         temperature: 0 = greedy.
         top_p: nucleus mass in (0, 1].
         top_k: 0 = off.
-        seed: seeds the request's own generator (None = nondeterministic).
+        seed: seeds the request's own generator, an integer in [-2**63, 2**64 - 1]
+            (None = nondeterministic).
         stop: stop strings (not included in the output text).
         stop_token_ids: extra token ids that end generation (like EOS).
         ignore_eos: keep going past EOS.
@@ -50,6 +52,15 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise RequestError(
+                f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}; "
+                "send a smaller seed or none"
+            )
 
     @property
     def greedy(self) -> bool:

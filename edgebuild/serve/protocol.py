@@ -171,8 +171,10 @@ class _GenerationRequest(_Strict):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
             )
-        except RequestError as exc:
-            raise APIError(400, str(exc), None, "invalid_request") from None
+        except RequestError as exc:  # the message starts with the field's name
+            field_name = str(exc).split(" ", 1)[0]
+            param = field_name if field_name in type(self).model_fields else None
+            raise APIError(400, str(exc), param, "invalid_request") from None
 
     @property
     def include_usage(self) -> bool:

@@ -131,6 +131,11 @@ class _Active:
     first_token_at: float | None = None
 
 
+def _internal(exc: Exception) -> str:
+    """The client-visible message of an unexpected server-side failure."""
+    return f"internal error while running the request: {type(exc).__name__}: {exc}"
+
+
 class QueueFullError(APIError):
     """Too many requests in flight (HTTP 429)."""
 
@@ -250,18 +255,43 @@ class Scheduler:
                     if self._closing:
                         break
                     admitted = self._admit_locked()
-                for ticket in admitted:
-                    self._start(ticket)
-                for a in [a for a in self._active if a.ticket.cancelled]:
-                    self._end(a, None, "abort")
-                if self._active:
-                    self._step()
-                self.metrics.queue_depth(len(self._waiting), len(self._active))
+                try:
+                    self._iteration(admitted)
+                except Exception as exc:  # a bug must not stop the server: fail what ran
+                    log.exception("scheduler iteration failed; failing the running requests")
+                    self._fail_running(admitted, exc)
         except BaseException:
             log.exception("the scheduler worker crashed")
             raise
         finally:
             self._abort_all()
+
+    def _iteration(self, admitted: list[Ticket]) -> None:
+        """Start the admitted requests, drop cancelled ones, step the batch."""
+        for ticket in admitted:
+            self._start(ticket)
+        for a in [a for a in self._active if a.ticket.cancelled]:
+            self._end(a, None, "abort")
+        if self._active:
+            self._step()
+        self.metrics.queue_depth(len(self._waiting), len(self._active))
+
+    def _fail_running(self, admitted: list[Ticket], exc: Exception) -> None:
+        """After an unexpected error: 500 to every running or just-admitted request."""
+        error = Event("error", status=500, message=_internal(exc))
+        for a in list(self._active):
+            try:
+                self._end(a, error, "error")
+            except Exception:  # freeing failed too: drop it from the batch regardless
+                log.exception("freeing request %s failed", a.ticket.request_id)
+                if a in self._active:
+                    self._active.remove(a)
+                    self._release(a.ticket)
+                a.ticket.post(error)
+        for ticket in admitted:
+            if not ticket.ended:
+                self._release(ticket)
+                ticket.post(error)
 
     def _pages(self, ticket: Ticket) -> int:
         rows = len(ticket.prompt_ids) + ticket.params.max_tokens + self.spare_rows
@@ -287,6 +317,7 @@ class Scheduler:
         return out
 
     def _start(self, ticket: Ticket) -> None:
+        """Create the request's decoding state; a failure fails this request only."""
         try:
             state = self.llm.new_request(
                 ticket.prompt_ids, ticket.params, ticket.request_id, images=ticket.images or None
@@ -294,6 +325,11 @@ class Scheduler:
         except EdgebuildError as exc:
             self._release(ticket)
             ticket.post(Event("error", status=400, message=str(exc)))
+            return
+        except Exception as exc:  # a bug must fail this request, never the worker
+            log.exception("starting request %s failed", ticket.request_id)
+            self._release(ticket)
+            ticket.post(Event("error", status=500, message=_internal(exc)))
             return
         self.metrics.queue_time.observe(time.perf_counter() - ticket.arrival)
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
@@ -306,7 +342,7 @@ class Scheduler:
         except Exception as exc:  # a bug or resource failure must not stop the server
             log.exception("decoder step failed; failing the %d running requests", len(self._active))
             for a in list(self._active):
-                self._end(a, Event("error", status=500, message=f"decoding failed: {exc}"), "error")
+                self._end(a, Event("error", status=500, message=_internal(exc)), "error")
             return
         self.metrics.steps.inc()
         now = time.perf_counter()
@@ -337,6 +373,9 @@ class Scheduler:
         )
 
     def _release(self, ticket: Ticket) -> None:
+        """Count the request out of the in-flight total (idempotent)."""
+        if ticket.ended:
+            return
         with self._cond:
             self._inflight -= 1
             self._reserved_pages -= ticket.pages

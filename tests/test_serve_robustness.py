@@ -1,0 +1,92 @@
+"""Issue 16 (server part): one bad request never takes the server down, and the limits
+behave as documented. Every test runs a real uvicorn server on loopback over a tiny random
+model (a decoder step takes about a millisecond), with client timeouts so a hang fails."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serve_fixtures import serving, torch_threads, write_tiny_chat_model
+
+from edgebuild.runtime.llm import LLM, RuntimeOptions
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "user", "content": "t7 t8"}]
+TIMEOUT = httpx.Timeout(15.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+@pytest.fixture
+def tiny_llm(tiny_dir):
+    """A fresh tiny LLM per test: 64 prompt tokens, 256 KV rows."""
+    return LLM(tiny_dir, options=RuntimeOptions(max_kv_rows=256, max_input_len=64))
+
+
+def assert_serving(srv):
+    """/health is 200 and a normal request on each endpoint is answered."""
+    assert httpx.get(srv.url + "/health", timeout=TIMEOUT).status_code == 200
+    r = httpx.post(srv.url + COMP, json={"prompt": "t7", "max_tokens": 2}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    r = httpx.post(srv.url + CHAT, json={"messages": MSGS, "max_tokens": 2}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+
+
+def openai_error(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+# ---------------------------------------------------------------- item 1: seed, worker errors
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_an_out_of_range_seed_is_a_400_and_the_server_keeps_serving(tiny_llm, seed, path):
+    body = {"messages": MSGS} if path == CHAT else {"prompt": "t7"}
+    with serving(tiny_llm) as srv:
+        r = httpx.post(
+            srv.url + path, json={**body, "seed": seed, "max_tokens": 2}, timeout=TIMEOUT
+        )
+        err = openai_error(r, 400)
+        assert "seed must be an integer in [-2**63, 2**64 - 1]" in err["message"]
+        assert err["param"] == "seed"
+        assert_serving(srv)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63), 0])
+def test_seeds_at_the_edges_of_the_range_are_accepted(tiny_llm, seed):
+    with serving(tiny_llm) as srv:
+        r = httpx.post(
+            srv.url + COMP, json={"prompt": "t7", "seed": seed, "max_tokens": 2}, timeout=TIMEOUT
+        )
+        assert r.status_code == 200, r.text
+
+
+def test_an_unexpected_error_while_starting_a_request_fails_only_that_request(tiny_llm):
+    real = tiny_llm.new_request
+    calls = []
+
+    def broken_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    tiny_llm.new_request = broken_once
+    with serving(tiny_llm) as srv:
+        r = httpx.post(srv.url + COMP, json={"prompt": "t7", "max_tokens": 2}, timeout=TIMEOUT)
+        err = openai_error(r, 500)
+        assert "injected failure" in err["message"] and err["type"] == "server_error"
+        assert srv.state.scheduler.num_running == 0 and srv.state.scheduler._inflight == 0
+        assert_serving(srv)
