@@ -90,3 +90,59 @@ def test_an_unexpected_error_while_starting_a_request_fails_only_that_request(ti
         assert "injected failure" in err["message"] and err["type"] == "server_error"
         assert srv.state.scheduler.num_running == 0 and srv.state.scheduler._inflight == 0
         assert_serving(srv)
+
+
+# ---------------------------------------------------------------- item 2: deep JSON, surrogates
+def raw_post(srv, path, raw: bytes):
+    headers = {"content-type": "application/json"}
+    return httpx.post(srv.url + path, content=raw, headers=headers, timeout=TIMEOUT)
+
+
+DEEP = [
+    ("100000 levels", b"[" * 100_000 + b"]" * 100_000),
+    (
+        "5000 levels in an ignored field",
+        b'{"messages": [{"role": "user", "content": "t7"}], "ignored": '
+        + b"[" * 5000
+        + b"]" * 5000
+        + b"}",
+    ),
+    ("5000 levels of objects", b'{"a":' * 5000 + b"1" + b"}" * 5000),
+]
+
+
+@pytest.mark.parametrize("raw", [r for _, r in DEEP], ids=[n for n, _ in DEEP])
+def test_deeply_nested_json_is_a_400(tiny_llm, raw):
+    with serving(tiny_llm) as srv:
+        for path in (CHAT, COMP):
+            err = openai_error(raw_post(srv, path, raw), 400)
+            assert "nested too deeply" in err["message"] and err["code"] == "invalid_json"
+        assert_serving(srv)
+
+
+SURROGATES = [
+    (CHAT, b'{"messages": [{"role": "user", "content": "t7 \\ud800"}]}', "messages.0.content"),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+        "messages.0.content.0.text",
+    ),
+    (COMP, b'{"prompt": "t7 \\ud800 t8"}', "prompt"),
+    (COMP, b'{"prompt": "t7 \xed\xa0\x80"}', "prompt"),  # raw CESU bytes of U+D800
+    (COMP, b'{"prompt": "t7", "stop": ["\\uDBFF"]}', "stop.0"),
+]
+
+
+@pytest.mark.parametrize("path,raw,where", SURROGATES)
+def test_a_lone_surrogate_is_a_400_naming_the_field(tiny_llm, path, raw, where):
+    with serving(tiny_llm) as srv:
+        err = openai_error(raw_post(srv, path, raw), 400)
+        assert f"'{where}' contains a lone UTF-16 surrogate" in err["message"]
+        assert err["param"] == where.split(".")[0]
+        assert_serving(srv)
+
+
+def test_a_surrogate_pair_is_valid_text(tiny_llm):
+    with serving(tiny_llm) as srv:
+        r = raw_post(srv, COMP, b'{"prompt": "t7 \\ud83d\\ude00", "max_tokens": 2}')
+        assert r.status_code == 200, r.text

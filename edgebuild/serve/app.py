@@ -11,6 +11,8 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import sys
 import uuid
 from contextlib import asynccontextmanager
 
@@ -40,6 +42,8 @@ from edgebuild.serve.streaming import (
 
 log = logging.getLogger("edgebuild.serve")
 
+# a UTF-16 surrogate, escaped (\\ud800) or as raw bytes, which json accepts but no tokenizer can
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -94,12 +98,48 @@ async def read_json(request: Request, limit: int) -> dict:
         raise bad_request(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
+    except RecursionError:
+        raise bad_request(
+            "the request body is nested too deeply (JSON arrays / objects more than about "
+            f"{sys.getrecursionlimit()} levels deep); flatten it",
+            code="invalid_json",
+        ) from None
     if not isinstance(body, dict):
         raise bad_request(
             f"the request body must be a JSON object, got {type(body).__name__}",
             code="invalid_json",
         )
+    if _MAYBE_SURROGATE.search(raw):
+        where = lone_surrogate(body)
+        if where is not None:
+            raise bad_request(
+                f"'{where}' contains a lone UTF-16 surrogate (such as \\ud800), which is not "
+                "valid Unicode text; send valid UTF-8 / escape surrogate pairs together",
+                where.split(".", 1)[0],
+                "invalid_text",
+            )
     return body
+
+
+def lone_surrogate(value) -> str | None:
+    """Path (``messages.0.content``) of the first string or key of a decoded JSON value that
+    is not valid Unicode (a lone surrogate), else None. Iterative: any depth json accepted."""
+    stack = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key = json.dumps(k)[1:-1]  # ASCII-escaped: the path goes into the message
+                stack.append((f"{path}.{key}" if path else key, k))
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(v))
+    return None
 
 
 def check_model(state: ServeState, model: str | None) -> str:
