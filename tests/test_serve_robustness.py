@@ -4,6 +4,9 @@ model (a decoder step takes about a millisecond), with client timeouts so a hang
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 from serve_fixtures import serving, torch_threads, write_tiny_chat_model
@@ -146,3 +149,58 @@ def test_a_surrogate_pair_is_valid_text(tiny_llm):
     with serving(tiny_llm) as srv:
         r = raw_post(srv, COMP, b'{"prompt": "t7 \\ud83d\\ude00", "max_tokens": 2}')
         assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- item 3: long prompts, the loop
+def counting(tiny_llm, name, sleep_s=0.0):
+    """Wrap `tiny_llm.<name>` to record the threads it runs on (and to be slow)."""
+    real, threads = getattr(tiny_llm, name), []
+
+    def wrapper(*args, **kwargs):
+        threads.append(threading.current_thread())
+        time.sleep(sleep_s)
+        return real(*args, **kwargs)
+
+    setattr(tiny_llm, name, wrapper)
+    return threads
+
+
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_over_long_prompt_text_is_refused_before_tokenizing(tiny_llm, path):
+    encodes, chat_encodes = counting(tiny_llm, "encode"), counting(tiny_llm, "encode_messages")
+    with serving(tiny_llm) as srv:
+        limit = 64 * 16  # max_input_len x the 16-character floor (the tiny tokens are short)
+        text = "t7 " * (limit // 3 + 1)
+        body = {"messages": [{"role": "user", "content": text}]} if path == CHAT else {}
+        body = body or {"prompt": text}
+        err = openai_error(httpx.post(srv.url + path, json=body, timeout=TIMEOUT), 400)
+        assert (
+            f"the prompt text has {len(text)} characters, more than the {limit}" in (err["message"])
+        )
+        assert err["code"] == "prompt_too_long"
+        assert not encodes and not chat_encodes  # refused before any tokenizer work
+        assert srv.state.prompt_char_limit == limit
+        assert_serving(srv)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_prompts_are_tokenized_off_the_event_loop(tiny_llm, path):
+    name = "encode_messages" if path == CHAT else "encode"
+    threads = counting(tiny_llm, name, sleep_s=2.0)
+    body = {"messages": MSGS} if path == CHAT else {"prompt": "t7"}
+    with serving(tiny_llm) as srv:
+        results = []
+        worker = threading.Thread(
+            target=lambda: results.append(
+                httpx.post(srv.url + path, json={**body, "max_tokens": 2}, timeout=TIMEOUT)
+            )
+        )
+        worker.start()
+        while not threads:  # the slow tokenization has begun
+            time.sleep(0.01)
+        # the loop is free: /health answers while the tokenizer is busy (2 s)
+        assert httpx.get(srv.url + "/health", timeout=1.0).status_code == 200
+        worker.join(30)
+        assert results and results[0].status_code == 200, results
+    assert threads[0] is not srv.thread
+    assert threads[0].name.startswith("edgellm-tokenizer")

@@ -174,8 +174,10 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
 
 async def chat_prompt(state: ServeState, req: ChatCompletionRequest) -> tuple[list[int], list]:
     """Token ids of the conversation through the chat template (400 on template errors), and
-    the preprocessed images (a vision-language model; decoded off the event loop)."""
+    the preprocessed images (a vision-language model). Images are decoded and the text is
+    tokenized off the event loop; over-long text is refused before tokenizing."""
     images: list = []
+    check_prompt_chars(state, sum(m.num_chars() for m in req.messages), "messages")
     try:
         if state.llm.vision is not None and media.has_image_parts(req.messages):
             limits = media.MediaLimits(
@@ -186,11 +188,31 @@ async def chat_prompt(state: ServeState, req: ChatCompletionRequest) -> tuple[li
             images = await asyncio.to_thread(_load_images, state, urls, limits)
         else:
             messages = req.template_messages()
-        return state.llm.encode_messages(messages, images or None), images
+        ids = await tokenize(state, state.llm.encode_messages, messages, images or None)
+        return ids, images
     except RequestError as exc:
         raise from_request_error(exc, "messages") from None
     except jinja2.TemplateError as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+
+
+def check_prompt_chars(state: ServeState, n_chars: int, param: str) -> None:
+    """400 when the prompt text is longer than any text that fits in --max-input-len tokens
+    (:attr:`ServeState.prompt_char_limit`), before any tokenizer work."""
+    limit = state.prompt_char_limit
+    if n_chars > limit:
+        raise bad_request(
+            f"the prompt text has {n_chars} characters, more than the {limit} that can fit in "
+            f"the max input length of {state.llm.options.max_input_len} tokens; shorten it",
+            param,
+            "prompt_too_long",
+        )
+
+
+async def tokenize(state: ServeState, fn, *args):
+    """Run a tokenizer call on the server's tokenizer thread (never on the event loop)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.tokenizer_pool, lambda: fn(*args))
 
 
 def _load_images(state: ServeState, urls: list[str], limits) -> list:
@@ -198,10 +220,12 @@ def _load_images(state: ServeState, urls: list[str], limits) -> list:
     return state.llm.process_images(media.load_images(urls, limits))
 
 
-def completion_prompt(state: ServeState, req: CompletionRequest) -> list[int]:
-    """Token ids of a string prompt, or the given ids after a range check."""
+async def completion_prompt(state: ServeState, req: CompletionRequest) -> list[int]:
+    """Token ids of a string prompt (tokenized off the event loop, over-long text refused
+    first), or the given ids after a range check."""
     if isinstance(req.prompt, str):
-        return state.llm.encode(req.prompt)
+        check_prompt_chars(state, len(req.prompt), "prompt")
+        return await tokenize(state, state.llm.encode, req.prompt)
     vocab = state.llm.config.vocab_size
     bad = [t for t in req.prompt if not 0 <= t < vocab]
     if bad:
@@ -255,7 +279,7 @@ async def completions(request: Request):
     state = _state(request)
     req = parse_request(CompletionRequest, await read_json(request, state.config.max_request_bytes))
     model = check_model(state, req.model)
-    ids = completion_prompt(state, req)
+    ids = await completion_prompt(state, req)
     params = sampling_for(state, req, ids)
     rid = f"cmpl-{uuid.uuid4().hex}"
     ticket = state.scheduler.submit(ids, params, rid)
@@ -321,6 +345,7 @@ def create_app(state: ServeState) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(state.scheduler.close)
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="edgellm-serve", lifespan=lifespan)
     app.state.serve = state

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from edgebuild.errors import ConfigError
@@ -16,6 +18,8 @@ from edgebuild.serve.metrics import ServeMetrics
 from edgebuild.serve.scheduler import Scheduler
 
 log = logging.getLogger("edgebuild.serve")
+
+MIN_CHARS_PER_TOKEN = 16  # floor of the prompt text limit (see ServeState.prompt_char_limit)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,11 @@ class ServeState:
     metrics: ServeMetrics
     backend: BackendChoice
     created: int = field(default_factory=lambda: int(time.time()))
+    # prompts are tokenized here, off the event loop, one at a time (the tokenizer is not
+    # used concurrently from two threads for encoding)
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="edgellm-tokenizer")
+    )
 
     @classmethod
     def from_llm(cls, config: ServeConfig, llm: LLM, backend: BackendChoice | None = None):
@@ -104,6 +113,19 @@ class ServeState:
     def max_model_len(self) -> int:
         """Prompt + generated tokens one request may reach."""
         return min(self.llm.options.max_kv_rows, self.llm.config.max_position_embeddings)
+
+    @cached_property
+    def prompt_char_limit(self) -> int:
+        """Most characters of prompt text accepted, checked before tokenizing.
+
+        ``max_input_len`` tokens times the longest token of the vocabulary in characters
+        (at least MIN_CHARS_PER_TOKEN): for byte-level BPE no text longer than this fits in
+        ``max_input_len`` tokens, so refusing it costs nothing that could have been served,
+        and no request can keep the tokenizer busy for long.
+        """
+        vocab = self.llm.tokenizer.get_vocab()
+        longest = max((len(k) for k in vocab), default=0)
+        return self.llm.options.max_input_len * max(MIN_CHARS_PER_TOKEN, longest)
 
     @property
     def spec_tokens(self) -> int:

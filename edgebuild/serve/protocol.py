@@ -72,6 +72,12 @@ class ChatMessage(_Strict):
     def _check_content(cls, value):
         return _content(value)
 
+    def num_chars(self) -> int:
+        """Characters of text in the message (text parts; images not counted)."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p.text) + 1 for p in self.content if isinstance(p, TextPart))
+
     def text(self) -> str:
         """The message text (text parts joined by newlines).
 
