@@ -4,6 +4,8 @@ model (a decoder step takes about a millisecond), with client timeouts so a hang
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
@@ -204,3 +206,49 @@ def test_prompts_are_tokenized_off_the_event_loop(tiny_llm, path):
         assert results and results[0].status_code == 200, results
     assert threads[0] is not srv.thread
     assert threads[0].name.startswith("edgellm-tokenizer")
+
+
+# ---------------------------------------------------------------- item 4: a client that leaves
+def throttle(llm, step_s: float):
+    """Make every decoder step take at least `step_s` (tokens keep flowing: no idle gap)."""
+    real, calls = llm.decoder.step, []
+
+    def step(states):
+        calls.append(len(states))
+        time.sleep(step_s)
+        return real(states)
+
+    llm.decoder.step = step
+    return calls
+
+
+def metric(srv, name: str) -> float:
+    for line in httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_non_streamed_request_whose_client_left_is_aborted_at_once(tiny_llm):
+    steps = throttle(tiny_llm, 0.02)  # 200 tokens: 4 s; an event every 20 ms
+    body = json.dumps({"prompt": "t7", "max_tokens": 200, "ignore_eos": True}).encode()
+    with serving(tiny_llm) as srv:
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 10
+        while len(steps) < 5:  # it runs
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        sock.close()
+        t0 = time.monotonic()
+        while srv.state.scheduler.num_running:
+            assert time.monotonic() - t0 < 2.0, "the request went on after its client left"
+            time.sleep(0.005)
+        assert metric(srv, 'edgellm_requests_total{finish_reason="abort"}') == 1
+        assert metric(srv, "edgellm_generation_tokens_total") < 100
+        assert srv.state.scheduler._inflight == 0
+        assert_serving(srv)

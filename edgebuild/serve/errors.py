@@ -38,11 +38,26 @@ class APIError(Exception):
         message: what is wrong and how to fix it.
         param: the offending request field, when there is one.
         code: a short machine-readable code (`model_not_found`, `queue_full`, ...).
+        retry_after: seconds a client should wait before retrying (429 / 503): sent as the
+            `Retry-After` header.
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code=None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code=None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """The response headers this error adds (`Retry-After`)."""
+        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         """The OpenAI error object."""
@@ -76,7 +91,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError):

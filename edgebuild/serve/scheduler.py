@@ -44,7 +44,8 @@ class Event:
     """A message from the worker to one request.
 
     kind: "token" (more text), "done" (finished; `text` is the last delta, `final_text` the
-    whole output) or "error" (`status`, `message`).
+    whole output) or "error" (`status`, `message`, `code`, and `retry_after` seconds for a
+    temporary refusal).
     """
 
     kind: str
@@ -55,6 +56,8 @@ class Event:
     completion_tokens: int = 0
     status: int = 200
     message: str = ""
+    code: str | None = None
+    retry_after: int | None = None
     metrics: dict = field(default_factory=dict)
 
 
@@ -100,7 +103,7 @@ class Ticket:
             self.cancelled = True
 
     async def events(self, is_disconnected=None, poll_s: float = 0.5):
-        """Yield events up to and including the terminal one.
+        """Yield events up to and including the terminal one; stop early when cancelled.
 
         Every `poll_s` without an event, `await is_disconnected()` is checked; a client that
         went away cancels the request and ends the iteration.
@@ -108,13 +111,16 @@ class Ticket:
         while True:
             if self._getter is None:
                 self._getter = asyncio.ensure_future(self.queue.get())
-            done, _ = await asyncio.wait({self._getter}, timeout=poll_s)
+            getter = self._getter
+            done, _ = await asyncio.wait({getter}, timeout=poll_s)
+            if getter.cancelled():  # cancel() was called (the client went away)
+                return
             if not done:
                 if is_disconnected is not None and await is_disconnected():
                     self.cancel()
                     return
                 continue
-            event = self._getter.result()
+            event = getter.result()
             self._getter = None
             yield event
             if event.kind != "token":

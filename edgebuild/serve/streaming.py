@@ -9,6 +9,7 @@ away, or the task was cancelled) cancels the request so the worker frees its KV 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -52,20 +53,34 @@ def _usage(ev: Event) -> Usage:
     return Usage.of(ev.prompt_tokens, ev.completion_tokens)
 
 
+async def watch_disconnect(request: Request, ticket: Ticket) -> None:
+    """Cancel `ticket` as soon as the client's connection closes (the request body has been
+    read, so the next ASGI message is the disconnect), so that the worker drops it before
+    its next decoder step."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            ticket.cancel()
+            return
+
+
 async def collect(ticket: Ticket, request: Request) -> Event:
-    """Wait for the terminal event of a non-streamed request.
+    """Wait for the terminal event of a non-streamed request (cancelled at once when the
+    client goes away: :func:`watch_disconnect`).
 
     Raises:
         APIError: the request failed (status from the worker) or the client went away.
     """
+    watcher = asyncio.ensure_future(watch_disconnect(request, ticket))
     try:
-        async for ev in ticket.events(request.is_disconnected):
+        async for ev in ticket.events():
             if ev.kind == "done":
                 return ev
             if ev.kind == "error":
-                raise APIError(ev.status, ev.message)
+                raise APIError(ev.status, ev.message, None, ev.code, ev.retry_after)
         raise APIError(400, "the client disconnected", None, "client_disconnected")
     finally:
+        watcher.cancel()
         ticket.cancel()
 
 
