@@ -252,3 +252,45 @@ def test_a_non_streamed_request_whose_client_left_is_aborted_at_once(tiny_llm):
         assert metric(srv, "edgellm_generation_tokens_total") < 100
         assert srv.state.scheduler._inflight == 0
         assert_serving(srv)
+
+
+# ---------------------------------------------------------------- item 7: 429, auth, models
+def test_a_429_says_when_to_retry(tiny_llm):
+    throttle(tiny_llm, 0.02)
+    body = {"prompt": "t7", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with serving(tiny_llm, max_batch_size=1, max_queued_requests=0) as srv:
+        with httpx.stream("POST", srv.url + COMP, json=body, timeout=TIMEOUT) as first:
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: {")
+            r = httpx.post(srv.url + COMP, json={"prompt": "t7"}, timeout=TIMEOUT)
+            assert openai_error(r, 429)["code"] == "queue_full"
+            assert int(r.headers["retry-after"]) >= 1
+
+
+PROTECTED = ["/v1/models", "/metrics", "/docs", "/redoc", "/openapi.json"]
+
+
+def test_the_api_key_protects_every_route_but_health(tiny_llm):
+    with serving(tiny_llm, api_key="s3cret") as srv:
+        for path in PROTECTED:
+            r = httpx.get(srv.url + path, timeout=TIMEOUT)
+            assert openai_error(r, 401)["code"] == "missing_api_key", path
+            r = httpx.get(srv.url + path, headers={"authorization": "Bearer nope"})
+            assert openai_error(r, 401)["code"] == "invalid_api_key", path
+            r = httpx.get(srv.url + path, headers={"authorization": "Bearer s3cret"})
+            assert r.status_code == 200, path
+        assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_without_an_api_key_the_docs_and_metrics_are_open(tiny_llm):
+    with serving(tiny_llm) as srv:
+        for path in PROTECTED:
+            assert httpx.get(srv.url + path, timeout=TIMEOUT).status_code == 200, path
+        assert "/v1/chat/completions" in httpx.get(srv.url + "/openapi.json").json()["paths"]
+
+
+def test_models_does_not_show_where_the_model_lives(tiny_llm, tiny_dir):
+    with serving(tiny_llm) as srv:
+        card = httpx.get(srv.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]
+    assert card["root"] == tiny_dir.name
+    assert str(tiny_dir.parent) not in json.dumps(card)

@@ -15,9 +15,11 @@ import re
 import sys
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from edgebuild.errors import RequestError
@@ -54,7 +56,11 @@ def _state(request: Request) -> ServeState:
 
 # ---------------------------------------------------------------------- request checks
 async def require_api_key(request: Request) -> None:
-    """401 unless `Authorization: Bearer <key>` matches --api-key (constant-time compare)."""
+    """401 unless `Authorization: Bearer <key>` matches --api-key (constant-time compare).
+
+    With --api-key every route needs the key except `/health` (a liveness probe that says
+    only ok / unavailable): `/v1/*`, `/metrics`, `/docs`, `/redoc` and `/openapi.json`.
+    """
     key = _state(request).config.api_key
     if key is None:
         return
@@ -245,7 +251,7 @@ async def list_models(request: Request):
     card = ModelCard(
         id=state.config.model_name,
         created=state.created,
-        root=str(state.config.model),
+        root=Path(state.config.model).name,  # never the absolute path of the model folder
         max_model_len=state.max_model_len,
         max_input_len=state.llm.options.max_input_len,
         speculative=None
@@ -326,6 +332,24 @@ class HTTPMetricsMiddleware:
             self.state.metrics.http_responses.labels(route, str(status)).inc()
 
 
+def _add_docs(app: FastAPI, dependencies: list) -> None:
+    """/openapi.json, /docs and /redoc behind the same key as the API."""
+
+    async def openapi():
+        return JSONResponse(app.openapi())
+
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="edgellm-serve")
+
+    async def redoc():
+        return get_redoc_html(openapi_url="/openapi.json", title="edgellm-serve")
+
+    for path, endpoint in (("/openapi.json", openapi), ("/docs", docs), ("/redoc", redoc)):
+        app.add_api_route(
+            path, endpoint, methods=["GET"], dependencies=dependencies, include_in_schema=False
+        )
+
+
 def create_app(state: ServeState) -> FastAPI:
     """The application; its lifespan starts the scheduler and, on shutdown, joins it."""
 
@@ -347,11 +371,15 @@ def create_app(state: ServeState) -> FastAPI:
             await asyncio.to_thread(state.scheduler.close)
             state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="edgellm-serve", lifespan=lifespan)
+    app = FastAPI(
+        title="edgellm-serve", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )
     app.state.serve = state
     install_handlers(app)
     app.include_router(v1)
+    keyed = [Depends(require_api_key)]  # see require_api_key for which routes need the key
     app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=keyed)
+    _add_docs(app, keyed)
     app.add_middleware(HTTPMetricsMiddleware, state=state)
     return app

@@ -38,6 +38,8 @@ from edgebuild.serve.text import next_delta
 
 log = logging.getLogger("edgebuild.serve")
 
+RETRY_AFTER_S = 1  # Retry-After of a 429 (full queue) and of a 503 while shutting down
+
 
 @dataclass
 class Event:
@@ -152,6 +154,7 @@ class QueueFullError(APIError):
             "(--max-batch-size + --max-queued-requests); retry later",
             None,
             "queue_full",
+            retry_after=RETRY_AFTER_S,
         )
 
 
@@ -222,7 +225,13 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         with self._cond:
             if self._closing or not self.alive:
-                raise APIError(503, "the server is shutting down", None, "shutting_down")
+                raise APIError(
+                    503,
+                    "the server is shutting down",
+                    None,
+                    "shutting_down",
+                    retry_after=RETRY_AFTER_S,
+                )
             limit = self.max_batch_size + self.max_queued_requests
             if self._inflight >= limit:
                 self.metrics.rejected.labels("429").inc()
