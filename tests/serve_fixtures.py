@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 import torch
-import uvicorn
 
-from edgebuild.serve.app import create_app
 from edgebuild.serve.config import ServeConfig, ServeState
+from edgebuild.serve.server import EdgeServer
 
 
 class ServerThread:
@@ -30,10 +29,7 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(
-            create_app(state), log_level="warning", timeout_graceful_shutdown=5, lifespan="on"
-        )
-        self.server = uvicorn.Server(config)
+        self.server = EdgeServer(state, log_level="warning")
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
@@ -62,7 +58,10 @@ class ServerThread:
 
 @contextlib.contextmanager
 def serving(llm, **config):
-    """A running server over an already loaded `llm`; stopped (and joined) on exit."""
+    """A running server over an already loaded `llm`; stopped (and joined) on exit
+    (`stop()` is what SIGTERM does: running requests get `graceful_shutdown_s`, default 5 s
+    here, then a 503)."""
+    config.setdefault("graceful_shutdown_s", 5.0)
     cfg = ServeConfig(model=Path(llm.model_dir), **config)
     server = ServerThread(ServeState.from_llm(cfg, llm)).start()
     try:

@@ -5,7 +5,11 @@ model (a decoder step takes about a millisecond), with client timeouts so a hang
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -223,10 +227,7 @@ def throttle(llm, step_s: float):
 
 
 def metric(srv, name: str) -> float:
-    for line in httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
+    return metric_at(srv.url, name)
 
 
 def test_a_non_streamed_request_whose_client_left_is_aborted_at_once(tiny_llm):
@@ -294,3 +295,87 @@ def test_models_does_not_show_where_the_model_lives(tiny_llm, tiny_dir):
         card = httpx.get(srv.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]
     assert card["root"] == tiny_dir.name
     assert str(tiny_dir.parent) not in json.dumps(card)
+
+
+# ---------------------------------------------------------------- item 6: SIGTERM past the grace
+LAUNCHER = """
+import sys, time
+from edgebuild.runtime import decoding
+real = decoding.TargetOnlyDecoder.step
+def slow(self, states):  # 20 ms a step: 200 tokens take 4 s, far past the grace period
+    time.sleep(0.02)
+    return real(self, states)
+decoding.TargetOnlyDecoder.step = slow
+from edgebuild.serve.cli import main
+main()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_past_the_grace_period_answers_every_request_with_the_503(tiny_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [str(tiny_dir), "--port", str(port), "--graceful-shutdown-s", "0.5", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, *args, "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": "t7", "max_tokens": 200, "ignore_eos": True}
+        plain, lines = [], []
+
+        def non_streamed():
+            plain.append(httpx.post(url + COMP, json=body, timeout=TIMEOUT))
+
+        def streamed():
+            with httpx.stream(
+                "POST", url + COMP, json={**body, "stream": True}, timeout=TIMEOUT
+            ) as r:
+                lines.extend(r.iter_lines())
+
+        clients = [threading.Thread(target=non_streamed), threading.Thread(target=streamed)]
+        for t in clients:
+            t.start()
+        while metric_at(url, "edgellm_num_requests_running") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        for t in clients:
+            t.join(30)
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    err = openai_error(plain[0], 503)
+    assert err["code"] == "shutting_down" and err["type"] == "service_unavailable_error"
+    assert int(plain[0].headers["retry-after"]) >= 1
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last["error"]["code"] == "shutting_down"
+    assert len(events) > 3  # it was streaming tokens before the signal
+
+
+def metric_at(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0

@@ -43,7 +43,12 @@ from edgebuild.serve.config import BACKENDS, ServeConfig, load_state
 )
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto")
 @click.option("--threads", default=None, type=int, help="torch CPU threads (default: torch's).")
-@click.option("--graceful-shutdown-s", default=30.0, type=float, help="Drain time on shutdown.")
+@click.option(
+    "--graceful-shutdown-s",
+    default=30.0,
+    type=float,
+    help="On SIGTERM, how long running requests may go on before they get a 503.",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning"]))
 def main(log_level: str, **flags) -> None:
     """Serve MODEL_OR_BUNDLE over an OpenAI-compatible HTTP API."""
@@ -57,14 +62,6 @@ def main(log_level: str, **flags) -> None:
         click.secho(f"error: {exc}", fg="red", err=True)
         sys.exit(2)
 
-    import uvicorn
+    from edgebuild.serve.server import EdgeServer
 
-    from edgebuild.serve.app import create_app
-
-    uvicorn.run(
-        create_app(state),
-        host=config.host,
-        port=config.port,
-        log_level=log_level,
-        timeout_graceful_shutdown=config.graceful_shutdown_s,
-    )
+    EdgeServer(state, log_level).run()

@@ -40,7 +40,8 @@ class ServeConfig:
         allowed_local_media_path: directory `file://` images may come from (vision models).
         backend: auto | torch | tensorrt.
         threads: torch CPU threads (None = torch's default).
-        graceful_shutdown_s: how long shutdown lets in-flight requests finish.
+        graceful_shutdown_s: on SIGTERM, how long running requests may go on; then each gets
+            the documented 503 (an SSE error event and `[DONE]` on a stream).
     """
 
     model: Path
@@ -76,6 +77,8 @@ class ServeConfig:
             raise ConfigError(
                 f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
             )
+        if not self.graceful_shutdown_s >= 0:
+            raise ConfigError(f"--graceful-shutdown-s must be >= 0, got {self.graceful_shutdown_s}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not Path(self.model).exists():

@@ -192,6 +192,8 @@ class Scheduler:
         self._inflight = 0
         self._reserved_pages = 0
         self._closing = False
+        self._draining = False  # shutting down: no new requests
+        self._abort = False  # the worker is to end everything in flight with 503
         self._ids = 0
         self._thread: threading.Thread | None = None
 
@@ -203,7 +205,13 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._closing
+        """The worker runs and takes requests (False once shutdown began)."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._closing
+            and not self._draining
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -250,6 +258,19 @@ class Scheduler:
         with self._cond:
             self._cond.notify()
 
+    def begin_shutdown(self) -> None:
+        """Refuse new requests with 503; the running and queued ones go on."""
+        with self._cond:
+            self._draining = True
+
+    def abort_all(self) -> None:
+        """Have the worker end every running and queued request with a 503 (thread-safe);
+        the worker itself keeps running until :meth:`close`."""
+        with self._cond:
+            self._draining = True
+            self._abort = True
+            self._cond.notify()
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Cancel everything still queued or running (503 to its client); join the worker."""
         with self._cond:
@@ -265,11 +286,15 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not self._closing and not self._waiting and not self._active:
+                    while not (self._closing or self._abort or self._waiting or self._active):
                         self._cond.wait()
                     if self._closing:
                         break
-                    admitted = self._admit_locked()
+                    abort, self._abort = self._abort, False
+                    admitted = [] if abort else self._admit_locked()
+                if abort:
+                    self._abort_all()
+                    continue
                 try:
                     self._iteration(admitted)
                 except Exception as exc:  # a bug must not stop the server: fail what ran
@@ -409,7 +434,14 @@ class Scheduler:
             a.ticket.post(event)
 
     def _abort_all(self) -> None:
-        shutdown = Event("error", status=503, message="the server is shutting down")
+        """End every running and queued request with the shutdown 503."""
+        shutdown = Event(
+            "error",
+            status=503,
+            message="the server is shutting down; retry on another instance or later",
+            code="shutting_down",
+            retry_after=RETRY_AFTER_S,
+        )
         for a in list(self._active):
             self._end(a, shutdown, "abort")
         with self._cond:

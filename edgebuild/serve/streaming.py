@@ -126,7 +126,7 @@ async def chat_stream(
         yield chunk(DeltaMessage(role="assistant", content=""))
         async for ev in ticket.events(request.is_disconnected):
             if ev.kind == "error":
-                yield sse(error_body(ev.status, ev.message))
+                yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
             if ev.text:
                 yield chunk(DeltaMessage(content=ev.text))
@@ -156,7 +156,7 @@ async def completion_stream(
     try:
         async for ev in ticket.events(request.is_disconnected):
             if ev.kind == "error":
-                yield sse(error_body(ev.status, ev.message))
+                yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
             if ev.kind == "token":
                 yield chunk(ev.text)
