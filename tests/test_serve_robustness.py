@@ -379,3 +379,71 @@ def metric_at(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+# ---------------------------------------------------------------- item 5: pages grow as needed
+def chat_body(content, **fields):
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0.0, **fields}
+
+
+def solo(llm, content, max_tokens):
+    """Greedy output of one chat request run alone on the runtime (target only)."""
+    from edgebuild.runtime.sampling import SamplingParams
+
+    ids = llm.encode_messages([{"role": "user", "content": content}])
+    st = llm.generate_ids([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+    return st.stopper.final_text(), len(st.output_ids)
+
+
+def run_together(srv, bodies):
+    results = [None] * len(bodies)
+
+    def one(i):
+        results[i] = httpx.post(srv.url + CHAT, json=bodies[i], timeout=httpx.Timeout(60.0))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return results
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "dspark"])
+def test_two_requests_without_max_tokens_run_together_and_equal_solo_runs(
+    tiny_dir, tmp_path, with_draft
+):
+    from dspark_fixtures import make_random_draft
+
+    spec = None
+    if with_draft:
+        draft = make_random_draft(tmp_path / "draft", tiny_dir, block_size=4)
+        spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(tiny_dir, speculative=spec, options=RuntimeOptions(max_kv_rows=256, max_input_len=64))
+    reference = LLM(tiny_dir, options=RuntimeOptions(max_kv_rows=256, max_input_len=64))
+    prompts = ["t7 t8 t9", "t20 t21"]
+    batch_sizes = throttle(llm, 0.0)
+    with serving(llm) as srv:
+        room = [
+            srv.state.max_model_len
+            - len(llm.encode_messages(chat_msgs(p)))
+            - (3 if with_draft else 0)
+            for p in prompts
+        ]
+        results = run_together(srv, [chat_body(p, ignore_eos=True) for p in prompts])
+        preemptions = metric(srv, "edgellm_num_preemptions_total")
+        assert srv.state.scheduler._inflight == 0
+    assert max(batch_sizes) == 2  # both ran at once: nothing reserved the whole context
+    assert preemptions >= 1  # 2 x ~250 rows do not fit 256: one was preempted and resumed
+    for r, p, n in zip(results, prompts, room, strict=True):
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == n
+        assert (r.json()["choices"][0]["message"]["content"], n) == solo(reference, p, n)
+    assert llm.free_pages() == (
+        llm.target.allocator.num_pages,
+        llm.draft.allocator.num_pages if llm.draft else 0,
+    )
+
+
+def chat_msgs(content):
+    return [{"role": "user", "content": content}]

@@ -61,7 +61,13 @@ def load_tokenizer(model_dir: Path):
 class RuntimeOptions:
     """Runtime limits (server flags map onto these).
 
-    max_kv_rows: total KV capacity in tokens across all sequences.
+    Two KV limits, never to be confused:
+
+    max_kv_rows: KV rows (tokens) of the whole pool, shared by all running sequences.
+    max_seq_rows: KV rows one sequence may hold (prompt + generated + one verify block);
+        None = max_kv_rows (the CPU backend). On the TensorRT backend both come from the
+        bundle: ``build.max_kv_cache_capacity`` is the per-sequence limit and the pool holds
+        ``build.max_batch_size`` such sequences.
     max_input_len: longest accepted prompt in tokens.
     page_size: KV page size in tokens.
     dtype: compute dtype of the CPU models.
@@ -73,6 +79,14 @@ class RuntimeOptions:
     page_size: int = DEFAULT_PAGE_SIZE
     dtype: torch.dtype = torch.float32
     max_images: int = 8
+    max_seq_rows: int | None = None
+
+    @property
+    def seq_capacity(self) -> int:
+        """KV rows one sequence may hold (max_seq_rows, else the whole pool)."""
+        if self.max_seq_rows is None:
+            return self.max_kv_rows
+        return min(self.max_seq_rows, self.max_kv_rows)
 
 
 class LLM:
@@ -214,7 +228,7 @@ class LLM:
             + params.max_tokens
             + (self.speculative.num_speculative_tokens if self.speculative else 0)
         )
-        limit = min(self.options.max_kv_rows, self.config.max_position_embeddings)
+        limit = min(self.options.seq_capacity, self.config.max_position_embeddings)
         if total > limit:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the capacity "
@@ -250,6 +264,75 @@ class LLM:
     def finish(self, st: RequestState) -> None:
         """Free every per-request resource (KV pages, draft state)."""
         self.decoder.finish(st)
+
+    # ------------------------------------------------------------------ KV pages (scheduler)
+    def free_pages(self) -> tuple[int, int]:
+        """Free KV pages of the target pool and of the draft pool (0 without a draft)."""
+        draft = self.draft.allocator.free_pages if self.draft is not None else 0
+        return self.target.allocator.free_pages, draft
+
+    def step_pages(self, st: RequestState) -> tuple[int, int]:
+        """KV pages (target, draft) that the next decoder step of `st` may newly take.
+
+        A request whose prefill is pending takes its prompt rows; a preempted one (no
+        sequence, output kept) takes its recompute (:meth:`resume`) plus one step; a running
+        one takes one verify block on the target (anchor + drafts) and, with a draft, its
+        pending context rows plus one draft block (reserved during the draft pass).
+        """
+        target_alloc = self.target.allocator
+        spec = self.speculative.num_speculative_tokens if self.speculative else 0
+        block = self.draft.block_size if self.draft is not None else 0
+        if st.anchor is None:  # prefill (fresh, or preempted before its first token)
+            return target_alloc.pages_for(len(st.prompt_ids)), 0
+        if st.seq is None:  # preempted: recompute prompt + output[:-1], then a step
+            cached = len(st.prompt_ids) + len(st.output_ids) - 1
+            draft = self.draft.allocator.pages_for(cached + block) if self.draft else 0
+            return target_alloc.pages_for(cached + 1 + spec), draft
+        t = target_alloc.pages_for(st.seq.length + 1 + spec) - len(st.seq.pages)
+        if self.draft is None or st.draft_seq is None:
+            return max(t, 0), 0
+        pending = len(st.pending_features) if st.pending_features is not None else 0
+        d_alloc, dseq = self.draft.allocator, st.draft_seq
+        d = d_alloc.pages_for(dseq.length + pending + block) - len(dseq.pages)
+        return max(t, 0), max(d, 0)
+
+    def preempt(self, st: RequestState) -> None:
+        """Give back the request's KV pages and draft state, keeping its output and
+        generator: :meth:`resume` recomputes the cache (recompute preemption, as in vLLM)."""
+        self.decoder.finish(st)
+        st.seq = st.draft_seq = None
+        st.pending_features = None
+
+    def resume(self, st: RequestState) -> None:
+        """New cache sequences for a preempted request, refilled with its prompt and all but
+        the last output token (the anchor), and, with a draft, the target features of those
+        rows as pending draft context: the state a decoder step would have left.
+
+        Rows go through the target in calls of at most max_input_len rows (the prompt first,
+        with its images).
+        """
+        self.decoder.start(st)
+        if st.anchor is None:  # preempted before its prefill: the next step prefills
+            return
+        taps = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
+        images = st.prompt_images
+        st.seq.rope_delta = images.rope_delta if images is not None else 0
+        out_ids = st.output_ids[:-1]
+        step = max(1, self.options.max_input_len)
+        chunks = [st.prompt_ids] + [out_ids[i : i + step] for i in range(0, len(out_ids), step)]
+        features = []
+        for i, chunk in enumerate(chunks):
+            out = self.target.forward(
+                [st.seq],
+                [torch.tensor(chunk, dtype=torch.int64)],
+                [[len(chunk) - 1]],
+                taps,
+                [images] if i == 0 and images is not None else None,
+            )
+            if taps:
+                features.append(out.taps[0])
+        if taps:
+            st.pending_features = torch.cat(features)
 
     def generate_ids(
         self,

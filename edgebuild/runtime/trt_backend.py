@@ -747,8 +747,9 @@ class TrtRuntime:
     vision: VisionEncoder | None = None  # the visual engine + image processor (VLM bundles)
 
     def runtime_options(self, options):
-        """RuntimeOptions clamped to the engines (per-sequence capacity, prompt, page size,
-        images per prompt)."""
+        """RuntimeOptions clamped to the engines: the KV pool (every page of the engines'
+        pools), the per-sequence capacity (build.max_kv_cache_capacity), prompt, page size,
+        images per prompt."""
         from dataclasses import replace
 
         lim = self.plan.limits
@@ -757,7 +758,8 @@ class TrtRuntime:
             images = min(images, self.vision.max_images)
         return replace(
             options,
-            max_kv_rows=lim.kv_capacity,
+            max_kv_rows=lim.num_pages * lim.page_size,
+            max_seq_rows=lim.kv_capacity,
             max_input_len=lim.max_input_len,
             page_size=lim.page_size,
             max_images=images,

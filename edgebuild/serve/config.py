@@ -34,7 +34,10 @@ class ServeConfig:
         served_model_name: the `model` name clients use (default: the directory name).
         max_batch_size: most requests decoded together.
         max_input_len: longest prompt in tokens.
-        max_kv_cache_capacity: KV rows (tokens) shared by all running requests.
+        max_kv_cache_capacity: KV rows (tokens) of the pool shared by all running requests
+            (RuntimeOptions.max_kv_rows; one request may use all of it). On the TensorRT
+            backend the bundle fixes the limits instead: its build.max_kv_cache_capacity is
+            per sequence (RuntimeOptions.max_seq_rows) and the pool is max_batch_size of those.
         max_queued_requests: requests that may wait beyond a full batch (then 429).
         max_request_bytes: largest accepted request body (then 413).
         allowed_local_media_path: directory `file://` images may come from (vision models).
@@ -114,8 +117,8 @@ class ServeState:
 
     @property
     def max_model_len(self) -> int:
-        """Prompt + generated tokens one request may reach."""
-        return min(self.llm.options.max_kv_rows, self.llm.config.max_position_embeddings)
+        """Prompt + generated tokens one request may reach (the per-sequence KV limit)."""
+        return min(self.llm.options.seq_capacity, self.llm.config.max_position_embeddings)
 
     @cached_property
     def prompt_char_limit(self) -> int:

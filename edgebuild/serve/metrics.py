@@ -65,6 +65,11 @@ class ServeMetrics:
         self.running = Gauge("edgellm_num_requests_running", "Requests in the batch", registry=r)
         self.waiting = Gauge("edgellm_num_requests_waiting", "Requests in the queue", registry=r)
         self.steps = Counter("edgellm_decode_steps", "Batched decoder steps", registry=r)
+        self.preemptions = Counter(
+            "edgellm_num_preemptions",
+            "Running requests preempted (pages freed, requeued, recomputed) for a full KV pool",
+            registry=r,
+        )
         self.spec_steps = Counter(
             "edgellm_spec_decode_steps", "Target passes of speculative requests", registry=r
         )

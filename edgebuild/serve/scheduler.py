@@ -6,11 +6,24 @@ Threads and queues:
   :class:`Ticket` to the waiting deque under a lock and wakes the worker; it then awaits the
   ticket's `asyncio.Queue`.
 - The worker thread loops: admit waiting tickets (FIFO) while the batch has room
-  (`max_batch_size`) and the KV pages of every admitted request's worst case fit the pool;
-  drop cancelled requests (freeing their pages); run one `decoder.step` over the whole batch
-  (each request keeps its own KV pages, draft context and accepted length); post the new
-  text of each request to its queue with `loop.call_soon_threadsafe`; finish and free the
-  requests that ended.
+  (`max_batch_size`) and the KV pool has room for their first step; drop cancelled requests
+  (freeing their pages); make room for the next step (below); run one `decoder.step` over
+  the whole batch (each request keeps its own KV pages, draft context and accepted length);
+  post the new text of each request to its queue with `loop.call_soon_threadsafe`; finish
+  and free the requests that ended.
+
+Admission policy (KV pages). Nothing is reserved for a request's worst case: a request is
+admitted when the free pages cover, besides what the running batch's next step may take, its
+own first step (its prompt rows: :meth:`LLM.step_pages`), and a sequence's pages grow as it
+decodes (the decoders reserve per step). Before every step the worker checks that the free
+pages cover what every running request's step may take (one verify block each, plus the
+draft's context rows and block); when they do not, it preempts the request that arrived
+last: its pages are freed, its output and random generator kept, and it goes back to the
+front of the queue; when readmitted its cache is recomputed from prompt + output
+(:meth:`LLM.resume`) and it continues where it stopped, its client seeing one stream. The
+oldest requests so always progress; a request alone always fits, because a request is
+refused (400) unless prompt + max_tokens fit one sequence's capacity, which is at most the
+pool.
 - A full system (`max_batch_size + max_queued_requests` requests in flight) refuses new
   requests (429). A client that goes away cancels its ticket; the worker frees its pages
   before the next step. :meth:`Scheduler.close` cancels what is left and joins the worker.
@@ -85,7 +98,7 @@ class Ticket:
         self.cancelled = False  # set by the asyncio side, read by the worker
         self.ended = False  # worker side: a terminal event was posted
         self.arrival = time.perf_counter()
-        self.pages = 0  # KV pages reserved for the worst case while running
+        self.preempted: _Active | None = None  # worker side: its state while requeued
         self._getter: asyncio.Task | None = None
 
     def cancel(self) -> None:
@@ -181,16 +194,10 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics or ServeMetrics("model")
-        opts = llm.options
-        self.page_size = opts.page_size
-        self.total_pages = -(-opts.max_kv_rows // opts.page_size)
-        # rows a request may hold beyond prompt + max_tokens: one draft block during a pass
-        self.spare_rows = 1 + (llm.draft.block_size if llm.draft is not None else 0)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._active: list[_Active] = []
         self._inflight = 0
-        self._reserved_pages = 0
         self._closing = False
         self._draining = False  # shutting down: no new requests
         self._abort = False  # the worker is to end everything in flight with 503
@@ -312,6 +319,7 @@ class Scheduler:
             self._start(ticket)
         for a in [a for a in self._active if a.ticket.cancelled]:
             self._end(a, None, "abort")
+        self._make_room()
         if self._active:
             self._step()
         self.metrics.queue_depth(len(self._waiting), len(self._active))
@@ -333,13 +341,24 @@ class Scheduler:
                 self._release(ticket)
                 ticket.post(error)
 
-    def _pages(self, ticket: Ticket) -> int:
-        rows = len(ticket.prompt_ids) + ticket.params.max_tokens + self.spare_rows
-        return min(-(-rows // self.page_size), self.total_pages)
+    def _step_pages(self, active: list[_Active]) -> tuple[int, int]:
+        """KV pages (target, draft) the next step of `active` may take."""
+        need = [self.llm.step_pages(a.state) for a in active]
+        return sum(t for t, _ in need), sum(d for _, d in need)
+
+    def _first_step_pages(self, ticket: Ticket) -> tuple[int, int]:
+        if ticket.preempted is not None:
+            return self.llm.step_pages(ticket.preempted.state)
+        pages = self.llm.target.allocator.pages_for(len(ticket.prompt_ids))
+        return pages, 0
 
     def _admit_locked(self) -> list[Ticket]:
-        """Pop waiting tickets (FIFO) that fit the batch and the KV pool."""
+        """Pop waiting tickets (FIFO) whose first step fits the KV pool beside the running
+        batch's next step (module docstring: admission policy)."""
         out: list[Ticket] = []
+        free_t, free_d = self.llm.free_pages()
+        run_t, run_d = self._step_pages(self._active)
+        free_t, free_d = free_t - run_t, free_d - run_d
         while self._waiting and len(self._active) + len(out) < self.max_batch_size:
             ticket = self._waiting[0]
             if ticket.cancelled:
@@ -347,17 +366,49 @@ class Scheduler:
                 self._inflight -= 1
                 ticket.ended = True
                 continue
-            need = self._pages(ticket)
-            if self._reserved_pages + need > self.total_pages:
+            need_t, need_d = self._first_step_pages(ticket)
+            if need_t > free_t or need_d > free_d:
+                if not self._active and not out:  # cannot fit even alone: fail it clearly
+                    self._waiting.popleft()
+                    out.append(ticket)  # _start reports the capacity error
                 break  # wait for running requests to free pages (the head keeps its turn)
             self._waiting.popleft()
-            ticket.pages = need
-            self._reserved_pages += need
+            free_t, free_d = free_t - need_t, free_d - need_d
             out.append(ticket)
         return out
 
+    def _make_room(self) -> None:
+        """Preempt the latest arrivals until the batch's next step fits the free pages."""
+        while len(self._active) > 1:
+            free_t, free_d = self.llm.free_pages()
+            need_t, need_d = self._step_pages(self._active)
+            if need_t <= free_t and need_d <= free_d:
+                return
+            self._preempt(max(self._active, key=lambda a: a.ticket.arrival))
+
+    def _preempt(self, a: _Active) -> None:
+        """Free a running request's pages and put it back at the front of the queue."""
+        self.llm.preempt(a.state)
+        self._active.remove(a)
+        a.ticket.preempted = a
+        with self._cond:
+            self._waiting.appendleft(a.ticket)
+        self.metrics.preemptions.inc()
+        log.info("KV pool full: preempted %s (%d tokens so far)", a.ticket.request_id,
+                 len(a.state.output_ids))  # fmt: skip
+
     def _start(self, ticket: Ticket) -> None:
-        """Create the request's decoding state; a failure fails this request only."""
+        """Create the request's decoding state (or recompute a preempted one's cache); a
+        failure fails this request only."""
+        if ticket.preempted is not None:
+            self._resume(ticket)
+            return
+        free_t, _ = self.llm.free_pages()
+        need_t, _ = self._first_step_pages(ticket)
+        if not self._active and need_t > free_t:
+            self._release(ticket)
+            ticket.post(Event("error", status=400, message=self._too_big(ticket)))
+            return
         try:
             state = self.llm.new_request(
                 ticket.prompt_ids, ticket.params, ticket.request_id, images=ticket.images or None
@@ -374,6 +425,25 @@ class Scheduler:
         self.metrics.queue_time.observe(time.perf_counter() - ticket.arrival)
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
         self._active.append(_Active(ticket, state))
+
+    def _too_big(self, ticket: Ticket) -> str:
+        alloc = self.llm.target.allocator
+        return (
+            f"the prompt ({len(ticket.prompt_ids)} tokens) does not fit the KV pool of "
+            f"{alloc.num_pages * alloc.page_size} rows (--max-kv-cache-capacity)"
+        )
+
+    def _resume(self, ticket: Ticket) -> None:
+        a, ticket.preempted = ticket.preempted, None
+        try:
+            self.llm.resume(a.state)
+        except Exception as exc:
+            log.exception("recomputing preempted request %s failed", ticket.request_id)
+            self.llm.finish(a.state)
+            self._release(ticket)
+            ticket.post(Event("error", status=500, message=_internal(exc)))
+            return
+        self._active.append(a)
 
     def _step(self) -> None:
         """One decoder step over the batch; publish new text; end finished requests."""
@@ -418,8 +488,6 @@ class Scheduler:
             return
         with self._cond:
             self._inflight -= 1
-            self._reserved_pages -= ticket.pages
-            ticket.pages = 0
             ticket.ended = True
 
     def _end(self, a: _Active, event: Event | None, reason: str) -> None:
