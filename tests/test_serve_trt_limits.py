@@ -1,7 +1,8 @@
 """Issue 16 items 8 and 9 on the TensorRT backend, with the stand-in engines of
 test_trt_backend (the exported graphs run eagerly on the CPU): the KV pool and the
 per-sequence capacity are two limits with two names, the scheduler admits as many sequences
-as the engines' pool holds."""
+as the engines' pool holds, and a `draft_top_k` the draft engine was not built for is
+refused instead of ignored."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import asyncio
 import itertools
 from types import SimpleNamespace
 
+import pytest
 from export_fixtures import write_tiny_tokenizer
 from test_trt_backend import standin_backends, tiny  # noqa: F401 (tiny: fixture)
 
+from edgebuild.errors import ConfigError
+from edgebuild.runtime.decoding import DSparkDecoder
 from edgebuild.runtime.llm import LLM, RuntimeOptions, load_tokenizer
 from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.trt_backend import TrtRuntime
 from edgebuild.serve.scheduler import Scheduler
 
@@ -81,3 +86,19 @@ def test_the_scheduler_admits_as_many_sequences_as_the_engines_pool_holds(tiny, 
     assert [e.completion_tokens for e in ends] == [100, 100]
     assert max(batches) == 2  # both sequences ran together, as the pool allows
     assert llm.target.allocator.free_pages == llm.target.allocator.num_pages
+
+
+def spec_for(draft_dir, **extra):
+    return SpeculativeConfig.parse(
+        {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 4, **extra}
+    )
+
+
+def test_a_draft_top_k_the_engine_was_not_built_for_is_refused(tiny):  # noqa: F811
+    rt, _ = runtime(tiny)
+    _, draft_dir, _ = tiny
+    assert rt.draft.top_k == 8
+    with pytest.raises(ConfigError, match="draft_top_k 5 cannot be honoured.*built for 8"):
+        rt.decoder(spec_for(draft_dir, draft_top_k=5))
+    assert isinstance(rt.decoder(spec_for(draft_dir, draft_top_k=8)), DSparkDecoder)
+    assert isinstance(rt.decoder(spec_for(draft_dir)), DSparkDecoder)  # default: the engine's

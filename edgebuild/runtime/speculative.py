@@ -12,7 +12,7 @@ draft-checkpoint-formats.md section 3, "Top-k pruning"), else 16 (the ORT / vLLM
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgebuild.errors import ConfigError
@@ -62,6 +62,8 @@ class SpeculativeConfig:
         draft_top_k: candidates per position for the Markov walk (0 = full vocab); default:
             the draft's ``markov_topk`` (:func:`default_draft_top_k`), else 16.
         confidence_threshold: static confidence cutoff in [0, 1) (0 = off).
+        draft_top_k_given: `draft_top_k` was set by the user (not defaulted): a backend
+            that cannot honour it must refuse it.
     """
 
     method: str
@@ -69,6 +71,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     draft_top_k: int = DEFAULT_DRAFT_TOP_K
     confidence_threshold: float = 0.0
+    draft_top_k_given: bool = field(default=False, compare=False)
 
     @classmethod
     def parse(cls, value: str | dict) -> SpeculativeConfig:
@@ -124,7 +127,7 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-config: confidence_threshold must be in [0, 1), got {thr!r}"
             )
-        return cls(method, model, n, top_k, float(thr))
+        return cls(method, model, n, top_k, float(thr), "draft_top_k" in value)
 
     def check_block(self, block_size: int, source: str) -> None:
         """num_speculative_tokens must not exceed the draft's block_size (all-predicting)."""

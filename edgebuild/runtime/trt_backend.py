@@ -766,10 +766,24 @@ class TrtRuntime:
         )
 
     def decoder(self, spec):
+        """The decoder over these engines.
+
+        Raises:
+            ConfigError: a `draft_top_k` given in the speculative config that differs from
+                the candidate count the draft engine was built with (it is part of the
+                engine's shapes and cannot change at run time).
+        """
         from edgebuild.runtime.decoding import DSparkDecoder, TargetOnlyDecoder
 
         if self.draft is None:
             return TargetOnlyDecoder(self.target)
+        if spec.draft_top_k_given and spec.draft_top_k != self.draft.top_k:
+            raise ConfigError(
+                f"--speculative-config: draft_top_k {spec.draft_top_k} cannot be honoured: the "
+                f"bundle's draft engine was built for {self.draft.top_k} candidates per "
+                f"position; omit draft_top_k, set it to {self.draft.top_k}, or rebuild the "
+                "bundle with speculative.draft_top_k in its recipe"
+            )
         return DSparkDecoder(
             self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold
         )
