@@ -86,7 +86,10 @@ class BuildSettings(_Strict):
         device, precision: see :class:`Device`, :class:`Precision`.
         max_batch_size: sequences per engine call.
         max_input_len: longest prompt in tokens (image tokens included).
-        max_kv_cache_capacity: KV rows per sequence (prompt + generated + one verify block).
+        max_kv_cache_capacity: KV rows per sequence (prompt + generated + one verify block);
+            the engines' pool holds ``max_batch_size`` of them. Not the server flag of the
+            same name on the CPU backend, which is the whole pool: at run time the two are
+            ``RuntimeOptions.max_seq_rows`` and ``RuntimeOptions.max_kv_rows``.
         page_size: rows per KV page (power of two <= 256).
         max_image_tokens: language-model tokens of all images of one vision pass (one
             request), i.e. merged patches; the ``visual`` engine accepts up to
