@@ -101,6 +101,44 @@ def test_an_unexpected_error_while_starting_a_request_fails_only_that_request(ti
         assert_serving(srv)
 
 
+def test_an_error_while_publishing_one_request_fails_only_that_request(tiny_llm, monkeypatch):
+    from edgebuild.serve import scheduler
+
+    real = scheduler.next_delta
+
+    def broken_for_budget_7(stopper, sent):
+        if stopper.max_tokens == 7 and len(stopper.output_ids) >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(stopper, sent)
+
+    monkeypatch.setattr(scheduler, "next_delta", broken_for_budget_7)
+    batches = throttle(tiny_llm, 0.03)
+    with serving(tiny_llm) as srv:
+        bodies = [
+            {"prompt": "t7", "max_tokens": 7, "ignore_eos": True},
+            {"prompt": "t8", "max_tokens": 40, "ignore_eos": True},
+        ]
+        results = [None, None]
+
+        def one(i):
+            results[i] = httpx.post(srv.url + COMP, json=bodies[i], timeout=TIMEOUT)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in (1, 0)]
+        threads[0].start()  # the long one first: the short one joins it (40 x 30 ms)
+        deadline = time.monotonic() + 10
+        while srv.state.scheduler.num_running < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        threads[1].start()
+        for t in threads:
+            t.join(30)
+        assert "injected" in openai_error(results[0], 500)["message"]
+        assert results[1].status_code == 200, results[1].text
+        assert results[1].json()["usage"]["completion_tokens"] == 40
+        assert max(batches) == 2  # they ran together
+        assert_serving(srv)
+
+
 # ---------------------------------------------------------------- item 2: deep JSON, surrogates
 def raw_post(srv, path, raw: bytes):
     headers = {"content-type": "application/json"}
@@ -402,7 +440,11 @@ def run_together(srv, bodies):
         results[i] = httpx.post(srv.url + CHAT, json=bodies[i], timeout=httpx.Timeout(60.0))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
+    for i, t in enumerate(threads):  # each joins the running ones
+        deadline = time.monotonic() + 10
+        while srv.state.scheduler.num_running < i:
+            assert time.monotonic() < deadline, "a request did not start"
+            time.sleep(0.002)
         t.start()
     for t in threads:
         t.join(90)
@@ -422,7 +464,7 @@ def test_two_requests_without_max_tokens_run_together_and_equal_solo_runs(
     llm = LLM(tiny_dir, speculative=spec, options=RuntimeOptions(max_kv_rows=256, max_input_len=64))
     reference = LLM(tiny_dir, options=RuntimeOptions(max_kv_rows=256, max_input_len=64))
     prompts = ["t7 t8 t9", "t20 t21"]
-    batch_sizes = throttle(llm, 0.0)
+    batch_sizes = throttle(llm, 0.005)  # ~250 steps: the second request joins the first
     with serving(llm) as srv:
         room = [
             srv.state.max_model_len

@@ -457,18 +457,26 @@ class Scheduler:
         self.metrics.steps.inc()
         now = time.perf_counter()
         for a in list(self._active):
-            st = a.state
-            if st.new_tokens:
-                self.metrics.generation_tokens.inc(len(st.new_tokens))
-                if a.first_token_at is None:
-                    a.first_token_at = now
-                    self.metrics.ttft.observe(now - a.ticket.arrival)
-            delta = next_delta(st.stopper, a.sent)
-            a.sent += delta
-            if st.finished:
-                self._end(a, self._done_event(a, delta), st.stopper.finish_reason)
-            elif delta:
-                a.ticket.post(Event("token", text=delta))
+            try:
+                self._publish(a, now)
+            except Exception as exc:  # e.g. detokenizing: fails this request only
+                log.exception("publishing request %s failed", a.ticket.request_id)
+                self._end(a, Event("error", status=500, message=_internal(exc)), "error")
+
+    def _publish(self, a: _Active, now: float) -> None:
+        """Post the request's new text; end it when it finished."""
+        st = a.state
+        if st.new_tokens:
+            self.metrics.generation_tokens.inc(len(st.new_tokens))
+            if a.first_token_at is None:
+                a.first_token_at = now
+                self.metrics.ttft.observe(now - a.ticket.arrival)
+        delta = next_delta(st.stopper, a.sent)
+        a.sent += delta
+        if st.finished:
+            self._end(a, self._done_event(a, delta), st.stopper.finish_reason)
+        elif delta:
+            a.ticket.post(Event("token", text=delta))
 
     def _done_event(self, a: _Active, delta: str) -> Event:
         st = a.state
