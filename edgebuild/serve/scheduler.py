@@ -11,6 +11,9 @@ Threads and queues:
   the whole batch (each request keeps its own KV pages, draft context and accepted length);
   post the new text of each request to its queue with `loop.call_soon_threadsafe`; finish
   and free the requests that ended.
+- A full system (`max_batch_size + max_queued_requests` requests in flight) refuses new
+  requests (429). A client that goes away cancels its ticket; the worker frees its pages
+  before the next step. :meth:`Scheduler.close` cancels what is left and joins the worker.
 
 Admission policy (KV pages). Nothing is reserved for a request's worst case: a request is
 admitted when the free pages cover, besides what the running batch's next step may take, its
@@ -24,9 +27,6 @@ front of the queue; when readmitted its cache is recomputed from prompt + output
 oldest requests so always progress; a request alone always fits, because a request is
 refused (400) unless prompt + max_tokens fit one sequence's capacity, which is at most the
 pool.
-- A full system (`max_batch_size + max_queued_requests` requests in flight) refuses new
-  requests (429). A client that goes away cancels its ticket; the worker frees its pages
-  before the next step. :meth:`Scheduler.close` cancels what is left and joins the worker.
 
 Only the worker touches the model, the KV allocators and the RequestStates, so there is no
 shared mutable model state between requests beyond the paged pools, which never share pages.
