@@ -309,7 +309,9 @@ class LLM:
         rows as pending draft context: the state a decoder step would have left.
 
         Rows go through the target in calls of at most max_input_len rows (the prompt first,
-        with its images).
+        with its images); the draft takes its context in pieces of at most max_input_len rows
+        too (each piece through a draft pass that proposes nothing, since the TensorRT draft
+        engine writes context only as part of a pass), the last piece left pending.
         """
         self.decoder.start(st)
         if st.anchor is None:  # preempted before its prefill: the next step prefills
@@ -329,10 +331,20 @@ class LLM:
                 taps,
                 [images] if i == 0 and images is not None else None,
             )
-            if taps:
-                features.append(out.taps[0])
+            if taps:  # a copy: the TensorRT taps live in a ring the next call may reuse
+                features.append(out.taps[0].clone())
         if taps:
-            st.pending_features = torch.cat(features)
+            self._refill_draft(st, torch.cat(features), step)
+
+    def _refill_draft(self, st: RequestState, features: torch.Tensor, step: int) -> None:
+        """Give the draft `features` [rows, n_t * d] as context, `step` rows per pass; the
+        last at most `step` rows stay pending for the next decoder step."""
+        head = max(0, int(features.shape[0]) - step)
+        for i in range(0, head, step):
+            piece = features[i : min(i + step, head)]
+            self.draft.update_context([st.draft_seq], [piece])
+            self.draft.propose([st.draft_seq], [st.anchor], [0], [st.params], [st.generator])
+        st.pending_features = features[head:]
 
     def generate_ids(
         self,
