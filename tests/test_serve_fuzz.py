@@ -1,4 +1,5 @@
-"""A seeded request fuzzer: 1,200 random and mutated bodies on both generation endpoints.
+"""A seeded request fuzzer: 1,200 random and mutated bodies on both generation endpoints
+one at a time, then 240 more eight at a time.
 
 Every body is generated from one seeded `random.Random` (reproducible: the failing index and
 body are in the assertion message): valid requests, then field-level mutations (a field set
@@ -31,7 +32,8 @@ from edgebuild.serve.app import create_app
 from edgebuild.serve.config import ServeConfig, ServeState
 
 SEED = 20261201
-N_BODIES = 1200
+N_BODIES = 1200  # one at a time, /health after each
+N_CONCURRENT = 240  # then 8 at a time
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
@@ -217,8 +219,9 @@ def fuzz_state(tmp_path_factory):
     return ServeState.from_llm(cfg, llm)
 
 
-def test_1200_random_and_mutated_bodies_get_no_5xx_and_the_server_stays_healthy(fuzz_state):
+def test_1440_random_and_mutated_bodies_get_no_5xx_and_the_server_stays_healthy(fuzz_state):
     bodies = generate(SEED, N_BODIES)
+    concurrent = generate(SEED + 1, N_CONCURRENT)
     assert len(bodies) >= 1000 and {p for p, _ in bodies} == {CHAT, COMP}
     state = fuzz_state
     app = create_app(state)  # the lifespan does not run on this transport: start by hand
@@ -227,8 +230,8 @@ def test_1200_random_and_mutated_bodies_get_no_5xx_and_the_server_stays_healthy(
     async def main():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://fuzz") as client:
+            headers = {"content-type": "application/json"}
             for i, (path, raw) in enumerate(bodies):
-                headers = {"content-type": "application/json"}
                 try:
                     r = await asyncio.wait_for(
                         client.post(path, content=raw, headers=headers), timeout=60
@@ -239,6 +242,21 @@ def test_1200_random_and_mutated_bodies_get_no_5xx_and_the_server_stays_healthy(
                     assert health.status_code == 200
                 except (AssertionError, TimeoutError, KeyError, ValueError) as exc:
                     raise AssertionError(f"body {i} to {path}: {raw[:300]!r}: {exc!r}") from exc
+            # then the same kind of bodies 8 at a time: valid and invalid ones share batches
+            for start in range(0, len(concurrent), 8):
+                group = concurrent[start : start + 8]
+                sends = [client.post(p, content=raw, headers=headers) for p, raw in group]
+                replies = await asyncio.wait_for(asyncio.gather(*sends), timeout=120)
+                for k, r in enumerate(replies):
+                    path, raw = group[k]
+                    try:
+                        check_response(r)
+                    except (AssertionError, KeyError, ValueError) as exc:
+                        raise AssertionError(
+                            f"concurrent body {start + k} to {path}: {raw[:300]!r}: {exc!r}"
+                        ) from exc
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                assert (await client.get("/health")).status_code == 200
 
     with torch_threads(1):
         state.scheduler.start()
