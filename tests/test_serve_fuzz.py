@@ -11,8 +11,8 @@ scheduler worker over a tiny random model, so valid bodies do run through the de
 
 The oracle: no 5xx at all (the only documented 5xx, 503, happens only while shutting down),
 every error is an OpenAI error object, every 200 is a well-formed completion or a stream
-ending in `[DONE]`, `/health` is 200 after every request, and at the end nothing is left in
-flight and every KV page is free.
+ending in `[DONE]`, `/health` is 200 after every request (after every group of eight in the
+second phase), and at the end nothing is left in flight and every KV page is free.
 """
 
 from __future__ import annotations
