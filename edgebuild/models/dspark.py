@@ -48,6 +48,7 @@ from edgebuild.models.common import (
     dense,
     layer_linear_shapes,
 )
+from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
 
 log = logging.getLogger("edgebuild.models")
@@ -660,6 +661,15 @@ class DSparkAttention(nn.Module):
         self.o_proj = nn.Linear(hq * hd, d, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.packed_qkv: PackedLinear | None = None  # set by pack_for_cpu
+        self.packed_kv: PackedLinear | None = None
+        self.packed_o: PackedLinear | None = None
+
+    def pack_for_cpu(self, quant: str | None = None) -> None:
+        """Packed q/k/v, k/v (context rows) and o_proj for eager CPU inference."""
+        self.packed_qkv = PackedLinear([self.q_proj, self.k_proj, self.v_proj], quant)
+        self.packed_kv = PackedLinear([self.k_proj, self.v_proj], quant)
+        self.packed_o = PackedLinear([self.o_proj], quant)
 
     def _attend(self, qkv, kv_cache, batch, rope_table, *, causal, write_kv, q_norm, want=True):
         cfg = self.cfg
@@ -689,7 +699,10 @@ class DSparkAttention(nn.Module):
     ) -> None:
         """Store K = rope(k_norm(k_proj(C))) and V = v_proj(C) of the context rows."""
         q = context.new_zeros(*context.shape[:2], self.q_proj.out_features)  # queries unused
-        qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
+        if use_packed(self.packed_kv):
+            qkv = torch.cat([q, self.packed_kv(context)], dim=-1)
+        else:
+            qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
         self._attend(
             qkv, kv_cache, batch, rope_table, causal=True, write_kv=True, q_norm=None, want=False
         )
@@ -702,7 +715,10 @@ class DSparkAttention(nn.Module):
         rope_table: torch.Tensor,  # fp32 [max_position, head_dim]
     ) -> torch.Tensor:  # [B, Bs, d]
         """Block rows attend to all cached context rows and all block rows (non-causal)."""
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if use_packed(self.packed_qkv):
+            qkv = self.packed_qkv(x)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         out = self._attend(
             qkv,
             kv_cache,
@@ -712,7 +728,7 @@ class DSparkAttention(nn.Module):
             write_kv=False,
             q_norm=self.q_norm.weight,
         )
-        return self.o_proj(out)
+        return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
 
 
 class DSparkMLP(nn.Module):
@@ -724,8 +740,18 @@ class DSparkMLP(nn.Module):
         self.gate_proj = nn.Linear(d, i, bias=False)
         self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
+        self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
+        self.packed_down: PackedLinear | None = None
+
+    def pack_for_cpu(self, quant: str | None = None) -> None:
+        """Fused gate/up and down_proj packed for eager CPU inference."""
+        self.packed_gate_up = PackedLinear([self.gate_proj, self.up_proj], quant)
+        self.packed_down = PackedLinear([self.down_proj], quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_packed(self.packed_gate_up):
+            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
+            return self.packed_down(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -778,6 +804,19 @@ class DSparkDraft(nn.Module):
             DSparkConfidenceHead(cfg.confidence_in_features) if cfg.enable_confidence_head else None
         )
         self._rope_table = torch.empty(0, 0)
+        self.packed_lm_head: PackedLinear | None = None  # set by pack_for_cpu
+
+    def pack_for_cpu(self, quant: str | None = None) -> DSparkDraft:
+        """Pack the layers' linears and ``lm_head`` once for the eager CPU runtime.
+
+        As :meth:`edgebuild.models.llama.LlamaForCausalLM.pack_for_cpu`: names and
+        ``state_dict`` unchanged, eager forwards only, one extra copy in memory. Returns self.
+        """
+        for layer in self.layers:
+            layer.self_attn.pack_for_cpu(quant)
+            layer.mlp.pack_for_cpu(quant)
+        self.packed_lm_head = PackedLinear([self.lm_head], quant)
+        return self
 
     # ------------------------------------------------------------------ running
     def rope_table(self, max_position: int) -> torch.Tensor:
@@ -860,7 +899,54 @@ class DSparkDraft(nn.Module):
     @torch.no_grad()
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """``lm_head(h)``: ``[B, Bs, d]`` -> fp32 ``[B, Bs, V]`` (before the Markov bias)."""
-        return self.lm_head(h).float()
+        head = self.packed_lm_head
+        return (head(h) if use_packed(head) else self.lm_head(h)).float()
+
+    @torch.no_grad()
+    def lattice(
+        self, h: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The top-k candidate lattice of a block (spec §3 "Top-k pruning").
+
+        Args:
+            h: ``[B, n, d]`` post-norm hidden of the block rows to draft.
+            base: fp32 ``[B, n, V]`` their base logits (:meth:`base_logits`).
+            anchors: int ``[B]`` the anchor token of each block.
+            top_k: K candidates per row (1..V).
+
+        Returns:
+            ``cand`` int64 ``[B, n, K]``; ``scores`` fp32 ``[B, n, K(i), K(j)]`` =
+            ``base[cand_l_j] + bias(prev = cand_{l-1, i}, h_l)[cand_l_j]`` (slot 0: prev = the
+            anchor for every i); ``confidence`` fp32 ``[B, n, K(i)]`` or None without a
+            confidence head. Walked by :func:`edgebuild.runtime.markov_walk.walk_lattice`.
+
+        Raises:
+            ConfigError: an ``rnn`` Markov head (its state depends on the path: no lattice).
+        """
+        if self.markov_head is not None and self.markov_head.head_type is MarkovHeadType.RNN:
+            raise ConfigError(
+                f"{self.config.source}: an rnn Markov head has no top-k lattice (its state "
+                "depends on the path taken); walk it token by token"
+            )
+        top, cand = base.topk(top_k, dim=-1)  # [B, n, K]
+        prev = torch.cat([anchors.long().view(-1, 1, 1).expand(-1, 1, top_k), cand[:, :-1]], 1)
+        prev = prev[:, : cand.shape[1]]  # [B, n, K(i)]: the token before slot l
+        scores = top.unsqueeze(2).expand(-1, -1, top_k, -1)  # [B, n, K(i), K(j)]
+        h_rows = None
+        if self.markov_head is not None:
+            h_rows = h.unsqueeze(2).expand(-1, -1, top_k, -1)  # [B, n, K(i), d]
+            u, _ = self.markov_head.latent(prev, h_rows, None)  # [B, n, K(i), r]
+            w2 = self.markov_head.markov_w2.weight[cand].float()  # [B, n, K(j), r]
+            scores = scores + torch.matmul(u, w2.transpose(-1, -2))
+        conf = None
+        if self.confidence_head is not None:
+            if self.config.confidence_head_with_markov:
+                if h_rows is None:
+                    h_rows = h.unsqueeze(2).expand(-1, -1, top_k, -1)
+                conf = self.confidence(h_rows, prev)  # [B, n, K(i)]
+            else:
+                conf = self.confidence(h, prev[..., 0]).unsqueeze(-1).expand(-1, -1, top_k)
+        return cand, scores.contiguous(), conf
 
     @torch.no_grad()
     def confidence(self, h_k: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
