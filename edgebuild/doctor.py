@@ -33,6 +33,10 @@ def run_checks() -> list[tuple[str, bool, str]]:
     import torch
 
     rows.append(("torch", True, f"{torch.__version__} (cuda build: {torch.version.cuda or 'no'})"))
+    from edgebuild.runtime.cpu import cpu_bf16_support, default_cpu_threads, describe_cpu
+
+    rows.append(("cpu", cpu_bf16_support().native, describe_cpu()))
+    rows.append(("cpu threads", True, f"{default_cpu_threads()} intra-op (default: cores - 1)"))
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         rows.append(("gpu", True, f"{torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}"))

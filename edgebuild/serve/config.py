@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgebuild.errors import ConfigError
+from edgebuild.runtime.cpu import resolve_dtype, set_cpu_threads
 from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.select import BACKENDS, BackendChoice, select_backend
 from edgebuild.serve.metrics import ServeMetrics
@@ -35,7 +36,9 @@ class ServeConfig:
         max_request_bytes: largest accepted request body (then 413).
         allowed_local_media_path: directory `file://` images may come from (vision models).
         backend: auto | torch | tensorrt.
-        threads: torch CPU threads (None = torch's default).
+        threads: torch CPU threads (None = cores - 1, at least 1; runtime/cpu.py).
+        dtype: CPU compute dtype: auto (bfloat16 with native CPU bf16, else float32),
+            bfloat16 or float32.
         graceful_shutdown_s: how long shutdown lets in-flight requests finish.
     """
 
@@ -53,6 +56,7 @@ class ServeConfig:
     allowed_local_media_path: Path | None = None
     backend: str = "auto"
     threads: int | None = None
+    dtype: str = "auto"
     graceful_shutdown_s: float = 30.0
 
     def validate(self) -> None:
@@ -74,6 +78,7 @@ class ServeConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        resolve_dtype(self.dtype)  # ConfigError naming --dtype
         if not Path(self.model).exists():
             raise ConfigError(f"model directory {self.model} does not exist")
 
@@ -120,12 +125,11 @@ def load_state(config: ServeConfig) -> ServeState:
     config.validate()
     backend = select_backend(config.backend, Path(config.model))
     log.info("backend: %s (%s)", backend.name, backend.reason)
-    if config.threads is not None:
-        import torch
-
-        torch.set_num_threads(config.threads)
+    set_cpu_threads(config.threads)
     options = RuntimeOptions(
-        max_kv_rows=config.max_kv_cache_capacity, max_input_len=config.max_input_len
+        max_kv_rows=config.max_kv_cache_capacity,
+        max_input_len=config.max_input_len,
+        dtype=resolve_dtype(config.dtype),
     )
     llm = LLM(
         config.model,
