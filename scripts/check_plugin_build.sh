@@ -30,7 +30,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HEADERS=${TENSORRT_HEADERS:-}
 MATRIX=${PLUGIN_MATRIX:-"10.3:87 10.13:110 11.1:90"}
 BUILD_ROOT="$ROOT/build/plugin_matrix"
-JOBS=${JOBS:-$(nproc)}
+JOBS=${JOBS:-$(getconf _NPROCESSORS_ONLN)}
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --headers) HEADERS=${2:?--headers needs a directory}; shift 2 ;;
