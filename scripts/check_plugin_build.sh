@@ -65,8 +65,8 @@ if ! command -v cmake >/dev/null 2>&1; then
     exit 0
 fi
 if [[ -z "$HEADERS" || ! -d "$HEADERS" ]]; then
-    echo "SKIP plugin build matrix: TensorRT headers not found (no shared/third_party/tensorrt" \
-        "above $ROOT; set TENSORRT_HEADERS or --headers)"
+    echo "SKIP plugin build matrix: TensorRT headers not found" \
+        "(${HEADERS:-no shared/third_party/tensorrt above $ROOT}; set TENSORRT_HEADERS or --headers)"
     exit 0
 fi
 CUOBJDUMP=$(dirname "$NVCC")/cuobjdump
@@ -115,8 +115,10 @@ for pair in $MATRIX; do
         grep -E "error|Error|skipping" "$dir/build.log" | head -n 20 | sed 's/^/    /'
         continue
     fi
-    # warnings whose location is one of our files (the TensorRT headers' own are allowed)
-    own=$(grep -E "^$ROOT/plugins/[^:]+:[0-9]+:[0-9]+: warning" "$dir/build.log" || true)
+    # warnings whose location is one of our files (the TensorRT headers' own are allowed);
+    # g++ writes file:line:col: warning, nvcc file(line): warning
+    own=$(grep -E "^$ROOT/plugins/([^:]+:[0-9]+:[0-9]+|[^(]+\([0-9]+\)): warning" \
+        "$dir/build.log" || true)
     [[ -z "$own" ]] || fail "TensorRT $version sm_$sm: warnings in our sources:"$'\n'"$own"
     for sym in getCreators setLoggerFinder; do
         nm -D --defined-only "$lib" | grep -qE " T $sym$" ||
