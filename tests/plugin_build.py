@@ -123,10 +123,9 @@ def _header_files() -> list[Path]:
     ]
 
 
-def _cached(name: str, inputs: Sequence[str | Path], build) -> Path:
-    """``build(tmp_path)`` once per content of ``inputs``; returns the cached file."""
-    stem, dot, suffix = name.partition(".")
-    out = BUILD_DIR / f"{stem}-{_digest(inputs)}{dot}{suffix}"
+def _cached(stem: str, suffix: str, inputs: Sequence[str | Path], build) -> Path:
+    """``build(tmp_path)`` once per content of ``inputs``; returns ``<stem>-<digest><suffix>``."""
+    out = BUILD_DIR / f"{stem}-{_digest(inputs)}{suffix}"
     if out.exists():
         return out
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
@@ -208,7 +207,7 @@ def plugin_library(version: str = DEFAULT_VERSION, arch: str = "90") -> Path:
         )
         shutil.rmtree(objs, ignore_errors=True)
 
-    return _cached(f"libedgebuild_plugins-trt{version}-sm{arch}.so", inputs, build)
+    return _cached(f"libedgebuild_plugins-trt{version}-sm{arch}", ".so", inputs, build)
 
 
 def _emulated_kernels_object(gxx: str) -> Path:
@@ -220,7 +219,8 @@ def _emulated_kernels_object(gxx: str) -> Path:
             "g++ emulated attention_kernels.cu",
         )
 
-    return _cached("attention_kernels-emu.o", [*EMULATION_FLAGS, kernels, *_header_files()], build)
+    inputs = [*EMULATION_FLAGS, kernels, *_header_files()]
+    return _cached("attention_kernels-emu", ".o", inputs, build)
 
 
 def emulated_plugin_library(
@@ -254,8 +254,8 @@ def emulated_plugin_library(
         src.unlink()
         obj.unlink()
 
-    name = f"libedgebuild_plugins-emu-trt{version}{'-' + tag if tag else ''}.so"
-    return _cached(name, [version, text, kernels, *_header_files()], build)
+    stem = f"libedgebuild_plugins-emu-trt{version}{'-' + tag if tag else ''}"
+    return _cached(stem, ".so", [version, text, kernels, *_header_files()], build)
 
 
 def harness_executable(version: str = DEFAULT_VERSION) -> Path:
@@ -268,4 +268,4 @@ def harness_executable(version: str = DEFAULT_VERSION) -> Path:
     def build(tmp: Path) -> None:
         _run([gxx, *flags, str(source), "-ldl", "-o", str(tmp)], "g++ plugin_harness.cpp")
 
-    return _cached(f"plugin_harness-trt{version}", [*flags, source, *_header_files()], build)
+    return _cached(f"plugin_harness-trt{version}", "", [*flags, source, *_header_files()], build)
