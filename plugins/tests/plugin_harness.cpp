@@ -3,7 +3,7 @@
 // Owns: driving the EdgebuildAttention plugin library the way TensorRT does, against the real
 // TensorRT C++ headers, on a machine without TensorRT or a GPU.
 //
-//   edgebuild_plugin_harness LIBRARY CASE_FILE OUT_DIR
+//   edgebuild_plugin_harness LIBRARY CASE_FILE OUT_DIR [--no-enqueue]
 //
 // dlopens LIBRARY (libedgebuild_plugins.so; built under -DEB_KERNEL_EMULATION its kernels run
 // on the CPU through plugins/tests/cuda_emulation.h, so enqueue works on host memory), calls
@@ -19,7 +19,9 @@
 // The harness checks only what needs no oracle (round trips, identities) and prints one line
 // per fact; tests/test_plugin_harness.py compares those lines with plugins/contract.json and
 // the outputs it writes to OUT_DIR (attn_out.bin, present_kv_cache.bin) with the Python
-// reference op. Exit status: 0 if every CHECK passed and enqueue ran, 1 otherwise, 2 on usage.
+// reference op. --no-enqueue stops before onShapeChange/enqueue (for the real, nvcc-built library
+// on a machine without a GPU). Exit status: 0 if every CHECK passed and enqueue ran, 1
+// otherwise, 2 on usage.
 //
 // CASE_FILE, one record per line (# comments):
 //   field NAME int|float|string VALUE
@@ -357,12 +359,20 @@ std::map<std::string, std::string> serializedFields(IPluginV3* plugin) {
 
 // ---- the run ------------------------------------------------------------------------------------------
 
-int run(char const* libraryPath, char const* casePath, std::string const& outDir) {
-    Case const c = readCase(casePath);
+// ---- the steps, in TensorRT's order ----------------------------------------------------------
+
+struct Interfaces {
+    IPluginV3OneCore* core = nullptr;
+    IPluginV3OneBuildV2* build = nullptr;
+    IPluginV3OneRuntime* runtime = nullptr;
+};
+
+// dlopen + setLoggerFinder + getCreators + getFieldNames (as IPluginRegistry::loadLibrary).
+IPluginCreatorV3One* loadCreator(char const* libraryPath) {
     void* handle = dlopen(libraryPath, RTLD_NOW | RTLD_LOCAL);
     if (handle == nullptr) {
-        std::printf("CHECK FAIL dlopen %s\n", dlerror());
-        return 1;
+        check(false, "dlopen", dlerror());
+        return nullptr;
     }
     using GetCreators = IPluginCreatorInterface* const* (*)(int32_t&);
     using SetLoggerFinder = void (*)(ILoggerFinder*);
@@ -370,75 +380,63 @@ int run(char const* libraryPath, char const* casePath, std::string const& outDir
     auto setLoggerFinder = reinterpret_cast<SetLoggerFinder>(dlsym(handle, "setLoggerFinder"));
     check(getCreators != nullptr, "entry point getCreators");
     check(setLoggerFinder != nullptr, "entry point setLoggerFinder");
-    if (getCreators == nullptr || setLoggerFinder == nullptr) return 1;
+    if (getCreators == nullptr || setLoggerFinder == nullptr) return nullptr;
     static LoggerFinder finder;
     setLoggerFinder(&finder);
-
     int32_t nbCreators = 0;
     IPluginCreatorInterface* const* creators = getCreators(nbCreators);
     check(nbCreators == 1 && creators != nullptr && creators[0] != nullptr, "getCreators",
           std::to_string(nbCreators) + " creator(s)");
-    if (nbCreators < 1) return 1;
+    if (nbCreators < 1 || creators == nullptr || creators[0] == nullptr) return nullptr;
     InterfaceInfo const info = creators[0]->getInterfaceInfo();
     check(std::strcmp(info.kind, "PLUGIN CREATOR_V3ONE") == 0, "creator interface kind", info.kind);
     auto* creator = static_cast<IPluginCreatorV3One*>(creators[0]);
     std::printf("CREATOR %s %s %s\n", creator->getPluginName(), creator->getPluginVersion(),
                 creator->getPluginNamespace());
-
     PluginFieldCollection const* names = creator->getFieldNames();
     for (int32_t i = 0; names != nullptr && i < names->nbFields; ++i) {
         std::printf("FIELDNAME %s %s %d\n", names->fields[i].name, fieldTypeText(names->fields[i].type),
                     names->fields[i].length);
     }
+    return creator;
+}
 
-    // createPlugin(kBUILD) from the node's attributes, typed as the ONNX parser types them
-    std::vector<PluginField> fields;
-    for (FieldValue const& f : c.fields) {
-        fields.emplace_back(f.name.c_str(), f.bytes.data(), f.type, f.length);
-    }
-    PluginFieldCollection fc{static_cast<int32_t>(fields.size()), fields.data()};
-    std::unique_ptr<IPluginV3> plugin(creator->createPlugin("harness_node", &fc, TensorRTPhase::kBUILD));
-    check(plugin != nullptr, "createPlugin(kBUILD)");
-    if (plugin == nullptr) return 1;
+// getCapabilityInterface for each type; TensorRT casts by the interface info (no RTTI across
+// the library boundary), as here.
+Interfaces capabilities(IPluginV3* plugin) {
+    Interfaces i;
+    i.core = static_cast<IPluginV3OneCore*>(plugin->getCapabilityInterface(PluginCapabilityType::kCORE));
+    i.build = static_cast<IPluginV3OneBuildV2*>(plugin->getCapabilityInterface(PluginCapabilityType::kBUILD));
+    i.runtime = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    check(i.core != nullptr, "getCapabilityInterface(kCORE)");
+    check(i.build != nullptr, "getCapabilityInterface(kBUILD)");
+    check(i.runtime != nullptr, "getCapabilityInterface(kRUNTIME)");
+    if (i.core == nullptr || i.build == nullptr || i.runtime == nullptr) return Interfaces{};
+    check(std::strcmp(i.core->getInterfaceInfo().kind, "PLUGIN_V3ONE_CORE") == 0, "core interface kind");
+    check(std::strcmp(i.build->getInterfaceInfo().kind, "PLUGIN_V3ONE_BUILD") == 0, "build interface kind");
+    check(i.build->getInterfaceInfo().major == 2, "build interface is V2 (getAliasedInput)");
+    check(std::strcmp(i.runtime->getInterfaceInfo().kind, "PLUGIN_V3ONE_RUNTIME") == 0,
+          "runtime interface kind");
+    std::printf("CORE %s %s %s\n", i.core->getPluginName(), i.core->getPluginVersion(),
+                i.core->getPluginNamespace());
+    return i;
+}
 
-    auto* core = static_cast<IPluginV3OneCore*>(plugin->getCapabilityInterface(PluginCapabilityType::kCORE));
-    auto* build = static_cast<IPluginV3OneBuildV2*>(plugin->getCapabilityInterface(PluginCapabilityType::kBUILD));
-    auto* runtime = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
-    // TensorRT casts by the interface info, as here (no RTTI across the library boundary)
-    check(core != nullptr, "getCapabilityInterface(kCORE)");
-    check(build != nullptr, "getCapabilityInterface(kBUILD)");
-    check(runtime != nullptr, "getCapabilityInterface(kRUNTIME)");
-    if (core == nullptr || build == nullptr || runtime == nullptr) return 1;
-    check(std::strcmp(core->getInterfaceInfo().kind, "PLUGIN_V3ONE_CORE") == 0, "core interface kind");
-    check(std::strcmp(build->getInterfaceInfo().kind, "PLUGIN_V3ONE_BUILD") == 0, "build interface kind");
-    check(build->getInterfaceInfo().major == 2, "build interface is V2 (getAliasedInput)");
-    check(std::strcmp(runtime->getInterfaceInfo().kind, "PLUGIN_V3ONE_RUNTIME") == 0, "runtime interface kind");
-    std::printf("CORE %s %s %s\n", core->getPluginName(), core->getPluginVersion(), core->getPluginNamespace());
-
-    for (auto const& [name, value] : serializedFields(plugin.get())) {
-        std::printf("SERIALIZED %s %s\n", name.c_str(), value.c_str());
-    }
+void printSerialized(IPluginV3OneRuntime* runtime) {
     PluginFieldCollection const* ser = runtime->getFieldsToSerialize();
     for (int32_t i = 0; ser != nullptr && i < ser->nbFields; ++i) {
         std::printf("SERIALIZEDVALUE %s %s\n", ser->fields[i].name, fieldValueText(ser->fields[i]).c_str());
     }
+}
 
-    int32_t const nbOutputs = build->getNbOutputs();
-    int32_t const nbInputs = static_cast<int32_t>(c.inputs.size());
-    std::printf("NBOUTPUTS %d\n", nbOutputs);
-    if (nbOutputs != 2) return 1;
-    int32_t const nbIO = nbInputs + nbOutputs;
-
-    // supportsFormatCombination: position by position, each asked with every earlier position set
-    // to an accepted type (the builder's order); every DataType x TensorFormat for the position.
+// supportsFormatCombination position by position, each asked with every earlier position set to
+// an accepted type (the builder's order); every DataType x TensorFormat at each position.
+void formatCombinations(IPluginV3OneBuildV2* build, Case const& c) {
+    int32_t const nbInputs = static_cast<int32_t>(c.inputs.size()), nbIO = nbInputs + 2;
     std::vector<DynamicPluginTensorDesc> io(static_cast<size_t>(nbIO));
-    for (int32_t i = 0; i < nbIO; ++i) {
-        io[i].desc.format = TensorFormat::kLINEAR;
-        io[i].desc.type = i < nbInputs ? c.inputs[i].type : DataType::kFLOAT;
-        io[i].desc.dims = i < nbInputs ? c.inputs[i].dims : Dims{};
-    }
+    for (int32_t i = 0; i < nbInputs; ++i) io[i].desc.dims = c.inputs[i].dims;
     std::set<std::string> combos;
-    std::function<void(int32_t, std::string)> explore = [&](int32_t pos, std::string prefix) {
+    std::function<void(int32_t, std::string const&)> explore = [&](int32_t pos, std::string const& prefix) {
         if (pos == nbIO) {
             combos.insert(prefix);
             return;
@@ -447,155 +445,196 @@ int run(char const* libraryPath, char const* casePath, std::string const& outDir
             for (int32_t f = 0; f < EnumMax<TensorFormat>(); ++f) {
                 io[pos].desc.type = static_cast<DataType>(t);
                 io[pos].desc.format = static_cast<TensorFormat>(f);
-                if (build->supportsFormatCombination(pos, io.data(), nbInputs, nbOutputs)) {
+                if (build->supportsFormatCombination(pos, io.data(), nbInputs, 2)) {
                     std::string const item = dtypeText(io[pos].desc.type) + "/" + formatText(io[pos].desc.format);
                     explore(pos + 1, prefix.empty() ? item : prefix + "," + item);
                 }
             }
         }
-        io[pos].desc.type = pos < nbInputs ? c.inputs[pos].type : DataType::kFLOAT;
-        io[pos].desc.format = TensorFormat::kLINEAR;
     };
     explore(0, "");
-    for (std::string const& combo : combos) {
-        std::printf("COMBINATION %s\n", combo.c_str());
-    }
+    for (std::string const& combo : combos) std::printf("COMBINATION %s\n", combo.c_str());
     check(!combos.empty(), "supportsFormatCombination accepts some combination");
-    check(build->supportsFormatCombination(nbIO, io.data(), nbInputs, nbOutputs) == false,
+    check(!build->supportsFormatCombination(nbIO, io.data(), nbInputs, 2),
           "supportsFormatCombination refuses a position past the outputs");
-    check(build->supportsFormatCombination(0, io.data(), nbInputs + 1, nbOutputs) == false,
+    check(!build->supportsFormatCombination(0, io.data(), nbInputs + 1, 2),
           "supportsFormatCombination refuses a wrong input count");
+}
 
-    // getOutputDataTypes for the case's input types
-    std::vector<DataType> inTypes;
-    for (Tensor const& t : c.inputs) inTypes.push_back(t.type);
-    DataType outTypes[2] = {DataType::kINT64, DataType::kINT64};
-    int32_t const typesRc = build->getOutputDataTypes(outTypes, 2, inTypes.data(), nbInputs);
-    std::printf("OUTPUTTYPES %d %s %s\n", typesRc, dtypeText(outTypes[0]).c_str(), dtypeText(outTypes[1]).c_str());
-    check(build->getOutputDataTypes(outTypes, 2, inTypes.data(), nbInputs - 1) != 0,
-          "getOutputDataTypes refuses a wrong input count");
-
-    // getOutputShapes: static dims as constants, dynamic ones as symbols
-    ExprBuilderImpl exprImpl;
-    ExprBuilder exprBuilder(&exprImpl);
-    std::vector<DimsExprs> inExprs(static_cast<size_t>(nbInputs));
+// getOutputShapes: static dims as constants, dynamic ones as symbols. Returns the rc.
+int32_t outputShapes(IPluginV3OneBuildV2* build, Case const& c, ExprBuilderImpl& impl, DimsExprs out[2]) {
+    ExprBuilder exprBuilder(&impl);
+    int32_t const nbInputs = static_cast<int32_t>(c.inputs.size());
+    std::vector<DimsExprs> in(static_cast<size_t>(nbInputs));
     for (int32_t i = 0; i < nbInputs; ++i) {
         Tensor const& t = c.inputs[i];
-        inExprs[i].nbDims = t.dims.nbDims;
+        in[i].nbDims = t.dims.nbDims;
         for (int32_t d = 0; d < t.dims.nbDims; ++d) {
-            inExprs[i].d[d] = t.symbols[d].empty() ? exprBuilder.constant(t.dims.d[d]) : exprImpl.symbol(t.symbols[d]);
+            in[i].d[d] = t.symbols[d].empty() ? exprBuilder.constant(t.dims.d[d]) : impl.symbol(t.symbols[d]);
         }
     }
-    DimsExprs outExprs[2];
-    int32_t const shapesRc = build->getOutputShapes(inExprs.data(), nbInputs, nullptr, 0, outExprs, 2, exprBuilder);
-    std::printf("OUTPUTSHAPES %d\n", shapesRc);
-    for (int32_t o = 0; shapesRc == 0 && o < 2; ++o) {
+    int32_t const rc = build->getOutputShapes(in.data(), nbInputs, nullptr, 0, out, 2, exprBuilder);
+    std::printf("OUTPUTSHAPES %d\n", rc);
+    for (int32_t o = 0; rc == 0 && o < 2; ++o) {
         std::string text;
-        for (int32_t d = 0; d < outExprs[o].nbDims; ++d) {
-            text += (d ? " " : "") + ExprBuilderImpl::textOf(*outExprs[o].d[d]);
+        for (int32_t d = 0; d < out[o].nbDims; ++d) {
+            text += (d ? " " : "") + ExprBuilderImpl::textOf(*out[o].d[d]);
         }
         std::printf("OUTPUTSHAPE %d %s\n", o, text.c_str());
     }
+    return rc;
+}
 
-    // configurePlugin / getWorkspaceSize: dynamic dims are -1 in desc, min/max are the case's
-    std::vector<DynamicPluginTensorDesc> in(static_cast<size_t>(nbInputs)), out(2);
-    for (int32_t i = 0; i < nbInputs; ++i) {
+// The build-time descriptors: dynamic dims are -1 in desc, min = opt = max = the case's dims.
+void buildDescs(Case const& c, DataType const outTypes[2], int64_t attnLast,
+                std::vector<DynamicPluginTensorDesc>* in, std::vector<DynamicPluginTensorDesc>* out) {
+    in->assign(c.inputs.size(), DynamicPluginTensorDesc{});
+    for (size_t i = 0; i < c.inputs.size(); ++i) {
         Tensor const& t = c.inputs[i];
-        in[i].desc.type = t.type;
-        in[i].desc.format = TensorFormat::kLINEAR;
-        in[i].desc.dims = t.dims;
+        (*in)[i].desc.type = t.type;
+        (*in)[i].desc.format = TensorFormat::kLINEAR;
+        (*in)[i].desc.dims = t.dims;
         for (int32_t d = 0; d < t.dims.nbDims; ++d) {
-            if (!t.symbols[d].empty()) in[i].desc.dims.d[d] = -1;
+            if (!t.symbols[d].empty()) (*in)[i].desc.dims.d[d] = -1;
         }
-        in[i].min = in[i].opt = in[i].max = t.dims;
+        (*in)[i].min = (*in)[i].opt = (*in)[i].max = t.dims;
     }
-    Dims attnDims{};
-    attnDims.nbDims = 3;
-    attnDims.d[0] = c.inputs[0].dims.d[0];
-    attnDims.d[1] = c.inputs[0].dims.d[1];
-    // the output's last dim from getOutputShapes (a constant), -1 if it was not one
-    attnDims.d[2] = shapesRc == 0 && outExprs[0].d[2]->isConstant() ? outExprs[0].d[2]->getConstantValue() : -1;
-    out[0].desc.type = outTypes[0];
-    out[0].desc.dims = attnDims;
-    out[0].min = out[0].opt = out[0].max = attnDims;
-    out[1].desc.type = outTypes[1];
-    out[1].desc.dims = c.inputs[1].dims;
-    out[1].min = out[1].opt = out[1].max = c.inputs[1].dims;
-    int32_t const configureRc = build->configurePlugin(in.data(), nbInputs, out.data(), 2);
-    std::printf("CONFIGURE %d\n", configureRc);
-    size_t const workspace = build->getWorkspaceSize(in.data(), nbInputs, out.data(), 2);
-    std::printf("WORKSPACE %zu\n", workspace);
-    std::printf("ALIASED %d %d\n", build->getAliasedInput(0), build->getAliasedInput(1));
+    Dims attn{};
+    attn.nbDims = 3;
+    attn.d[0] = c.inputs[0].dims.d[0];
+    attn.d[1] = c.inputs[0].dims.d[1];
+    attn.d[2] = attnLast;
+    out->assign(2, DynamicPluginTensorDesc{});
+    Dims const* dims[2] = {&attn, &c.inputs[1].dims};
+    for (int32_t o = 0; o < 2; ++o) {
+        (*out)[o].desc.type = outTypes[o];
+        (*out)[o].desc.format = TensorFormat::kLINEAR;
+        (*out)[o].desc.dims = *dims[o];
+        (*out)[o].min = (*out)[o].opt = (*out)[o].max = *dims[o];
+    }
+}
 
-    // getFieldsToSerialize -> createPlugin(kRUNTIME): the engine-deserialization path
-    std::map<std::string, std::string> const before = serializedFields(plugin.get());
-    std::unique_ptr<IPluginV3> restored(creator->createPlugin("harness_node", runtime->getFieldsToSerialize(), TensorRTPhase::kRUNTIME));
+// getFieldsToSerialize -> createPlugin(kRUNTIME) (engine deserialization), clone, then
+// attachToContext (execution context creation). Returns the attached plugin.
+std::unique_ptr<IPluginV3> runtimePlugin(IPluginCreatorV3One* creator, IPluginV3* plugin,
+                                         IPluginV3OneRuntime* runtime) {
+    std::map<std::string, std::string> const before = serializedFields(plugin);
+    std::unique_ptr<IPluginV3> restored(
+        creator->createPlugin("harness_node", runtime->getFieldsToSerialize(), TensorRTPhase::kRUNTIME));
     check(restored != nullptr, "createPlugin(kRUNTIME) from getFieldsToSerialize");
     if (restored != nullptr) {
         check(serializedFields(restored.get()) == before, "serialize round trip keeps every field");
     }
     std::unique_ptr<IPluginV3> cloned(plugin->clone());
     check(cloned != nullptr && serializedFields(cloned.get()) == before, "clone keeps every field");
-
-    IPluginV3* base = restored != nullptr ? restored.get() : plugin.get();
+    IPluginV3* base = restored != nullptr ? restored.get() : plugin;
     auto* baseRuntime = static_cast<IPluginV3OneRuntime*>(base->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
-    ResourceContext context;
+    static ResourceContext context;
     std::unique_ptr<IPluginV3> attached(baseRuntime->attachToContext(&context));
     check(attached != nullptr && attached.get() != base, "attachToContext returns a new plugin");
-    if (attached == nullptr) return 1;
-    check(serializedFields(attached.get()) == before, "attachToContext keeps every field");
-    auto* exec = static_cast<IPluginV3OneRuntime*>(attached->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    if (attached != nullptr) {
+        check(serializedFields(attached.get()) == before, "attachToContext keeps every field");
+    }
+    return attached;
+}
 
-    // onShapeChange + enqueue on host memory
-    std::vector<PluginTensorDesc> inDesc(static_cast<size_t>(nbInputs)), outDesc(2);
+// onShapeChange + enqueue on host memory; writes attn_out.bin / present_kv_cache.bin.
+int32_t enqueueOnHost(IPluginV3OneRuntime* exec, Case const& c, std::vector<DynamicPluginTensorDesc> const& in,
+                      std::vector<DynamicPluginTensorDesc> const& out, size_t workspace, std::string const& outDir) {
+    int32_t const nbInputs = static_cast<int32_t>(c.inputs.size());
+    std::vector<PluginTensorDesc> inDesc(in.size()), outDesc(2);
     for (int32_t i = 0; i < nbInputs; ++i) {
         inDesc[i] = in[i].desc;
-        inDesc[i].dims = c.inputs[i].dims;
+        inDesc[i].dims = c.inputs[i].dims;  // concrete at run time
     }
     outDesc[0] = out[0].desc;
     outDesc[1] = out[1].desc;
-    int32_t const shapeRc = exec->onShapeChange(inDesc.data(), nbInputs, outDesc.data(), 2);
-    std::printf("ONSHAPECHANGE %d\n", shapeRc);
-
-    std::vector<std::vector<uint8_t>> inputData;
-    for (Tensor const& t : c.inputs) inputData.push_back(t.data);
-    std::vector<void const*> inputPtrs;
-    for (auto& d : inputData) inputPtrs.push_back(d.empty() ? nullptr : d.data());
-    size_t const attnBytes = static_cast<size_t>(volume(attnDims)) * dtypeBytes(outTypes[0]);
-    std::vector<uint8_t> attn(attnBytes, 0xab);  // garbage: every row must be written
+    std::printf("ONSHAPECHANGE %d\n", exec->onShapeChange(inDesc.data(), nbInputs, outDesc.data(), 2));
+    std::vector<std::vector<uint8_t>> data;
+    for (Tensor const& t : c.inputs) data.push_back(t.data);
+    std::vector<void const*> inputs;
+    for (auto& d : data) inputs.push_back(d.empty() ? nullptr : d.data());
+    std::vector<uint8_t> attn(static_cast<size_t>(volume(outDesc[0].dims)) * dtypeBytes(outDesc[0].type), 0xab);
     std::vector<uint8_t> present;
-    void* outputPtrs[2] = {attn.empty() ? nullptr : attn.data(), nullptr};
-    if (c.alias) {
-        outputPtrs[1] = const_cast<void*>(inputPtrs[1]);
-    } else {
-        present.assign(inputData[1].size(), 0xcd);
-        outputPtrs[1] = present.empty() ? nullptr : present.data();
+    void* outputs[2] = {attn.empty() ? nullptr : attn.data(), const_cast<void*>(inputs[1])};
+    if (!c.alias) {
+        present.assign(data[1].size(), 0xcd);  // garbage: enqueue must carry the pool over
+        outputs[1] = present.empty() ? nullptr : present.data();
     }
     std::vector<uint8_t> workspaceBytes(workspace + 1);
-    int32_t const enqueueRc = exec->enqueue(inDesc.data(), outDesc.data(), inputPtrs.data(), outputPtrs,
-                                            workspaceBytes.data(), nullptr);
-    std::printf("ENQUEUE %d\n", enqueueRc);
-    auto const write = [&](std::string const& name, void const* data, size_t bytes) {
+    int32_t const rc = exec->enqueue(inDesc.data(), outDesc.data(), inputs.data(), outputs,
+                                     workspaceBytes.data(), nullptr);
+    std::printf("ENQUEUE %d\n", rc);
+    auto const write = [&](std::string const& name, void const* bytes, size_t n) {
         std::ofstream f(outDir + "/" + name, std::ios::binary);
-        f.write(static_cast<char const*>(data), static_cast<std::streamsize>(bytes));
+        f.write(static_cast<char const*>(bytes), static_cast<std::streamsize>(n));
     };
     write("attn_out.bin", attn.data(), attn.size());
-    write("present_kv_cache.bin", outputPtrs[1], inputData[1].size());
+    write("present_kv_cache.bin", outputs[1], data[1].size());
     if (!c.alias) {
-        check(inputData[1] == c.inputs[1].data, "enqueue without aliasing leaves kv_cache unchanged");
+        check(data[1] == c.inputs[1].data, "enqueue without aliasing leaves kv_cache unchanged");
     }
-    return gFailures == 0 && enqueueRc == 0 && configureRc == 0 && shapesRc == 0 && typesRc == 0 ? 0 : 1;
+    return rc;
+}
+
+int run(char const* libraryPath, char const* casePath, std::string const& outDir, bool doEnqueue) {
+    Case const c = readCase(casePath);
+    IPluginCreatorV3One* creator = loadCreator(libraryPath);
+    if (creator == nullptr) return 1;
+    // createPlugin(kBUILD) from the node's attributes, typed as the ONNX parser types them
+    std::vector<PluginField> fields;
+    for (FieldValue const& f : c.fields) fields.emplace_back(f.name.c_str(), f.bytes.data(), f.type, f.length);
+    PluginFieldCollection fc{static_cast<int32_t>(fields.size()), fields.data()};
+    std::unique_ptr<IPluginV3> plugin(creator->createPlugin("harness_node", &fc, TensorRTPhase::kBUILD));
+    check(plugin != nullptr, "createPlugin(kBUILD)");
+    if (plugin == nullptr) return 1;
+    Interfaces const api = capabilities(plugin.get());
+    if (api.build == nullptr) return 1;
+    printSerialized(api.runtime);
+    int32_t const nbInputs = static_cast<int32_t>(c.inputs.size());
+    std::printf("NBOUTPUTS %d\n", api.build->getNbOutputs());
+    if (api.build->getNbOutputs() != 2) return 1;
+    formatCombinations(api.build, c);
+
+    std::vector<DataType> inTypes;
+    for (Tensor const& t : c.inputs) inTypes.push_back(t.type);
+    DataType outTypes[2] = {DataType::kINT64, DataType::kINT64};
+    int32_t const typesRc = api.build->getOutputDataTypes(outTypes, 2, inTypes.data(), nbInputs);
+    std::printf("OUTPUTTYPES %d %s %s\n", typesRc, dtypeText(outTypes[0]).c_str(), dtypeText(outTypes[1]).c_str());
+    DataType spare[2];
+    check(api.build->getOutputDataTypes(spare, 2, inTypes.data(), nbInputs - 1) != 0,
+          "getOutputDataTypes refuses a wrong input count");
+
+    ExprBuilderImpl exprImpl;
+    DimsExprs outExprs[2];
+    int32_t const shapesRc = outputShapes(api.build, c, exprImpl, outExprs);
+    bool const lastConstant = shapesRc == 0 && outExprs[0].d[2]->isConstant();
+    std::vector<DynamicPluginTensorDesc> in, out;
+    buildDescs(c, outTypes, lastConstant ? outExprs[0].d[2]->getConstantValue() : -1, &in, &out);
+    int32_t const configureRc = api.build->configurePlugin(in.data(), nbInputs, out.data(), 2);
+    std::printf("CONFIGURE %d\n", configureRc);
+    size_t const workspace = api.build->getWorkspaceSize(in.data(), nbInputs, out.data(), 2);
+    std::printf("WORKSPACE %zu\n", workspace);
+    std::printf("ALIASED %d %d\n", api.build->getAliasedInput(0), api.build->getAliasedInput(1));
+
+    std::unique_ptr<IPluginV3> attached = runtimePlugin(creator, plugin.get(), api.runtime);
+    if (attached == nullptr) return 1;
+    auto* exec = static_cast<IPluginV3OneRuntime*>(attached->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    int32_t const enqueueRc = doEnqueue ? enqueueOnHost(exec, c, in, out, workspace, outDir) : 0;
+    bool const ok = gFailures == 0 && enqueueRc == 0 && configureRc == 0 && shapesRc == 0 && typesRc == 0;
+    return ok ? 0 : 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc != 4) {
-        std::fprintf(stderr, "usage: %s LIBRARY CASE_FILE OUT_DIR\n", argv[0]);
+    bool const noEnqueue = argc == 5 && std::strcmp(argv[4], "--no-enqueue") == 0;
+    if (argc != 4 && !noEnqueue) {
+        std::fprintf(stderr, "usage: %s LIBRARY CASE_FILE OUT_DIR [--no-enqueue]\n", argv[0]);
         return 2;
     }
     try {
-        return run(argv[1], argv[2], argv[3]);
+        return run(argv[1], argv[2], argv[3], !noEnqueue);
     } catch (std::exception const& e) {
         std::printf("CHECK FAIL harness %s\n", e.what());
         return 1;
