@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import importlib.metadata as md
-import os
 import platform
 import shutil
 import subprocess
 from pathlib import Path
+
+from edgebuild.engine.plugin_library import PLUGIN_BUILD_HINT, plugin_library_path
+
+# plugin_library_path is owned by edgebuild.engine.plugin_library; re-exported for old imports
+__all__ = ["plugin_library_path", "run_checks"]
 
 
 def _version(dist: str) -> str | None:
@@ -15,16 +19,6 @@ def _version(dist: str) -> str | None:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
-
-
-def plugin_library_path() -> Path | None:
-    """The attention plugin library: $EDGEBUILD_PLUGIN_LIB, else plugins/build/*.so."""
-    env = os.environ.get("EDGEBUILD_PLUGIN_LIB")
-    if env:
-        return Path(env)
-    root = Path(__file__).resolve().parent.parent / "plugins" / "build"
-    found = sorted(root.glob("libedgebuild_plugins*.so")) if root.is_dir() else []
-    return found[0] if found else None
 
 
 def run_checks() -> list[tuple[str, bool, str]]:
@@ -74,7 +68,7 @@ def run_checks() -> list[tuple[str, bool, str]]:
         (
             "plugin library",
             bool(lib and lib.exists()),
-            str(lib) if lib else "not built (cmake -S plugins -B plugins/build)",
+            str(lib) if lib else f"not built ({PLUGIN_BUILD_HINT})",
         )
     )
     return rows

@@ -202,8 +202,11 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
     if options.builder not in BUILDERS:
         raise ConfigError(f"unknown engine builder {options.builder!r}; use one of {BUILDERS}")
     if options.builder == "tensorrt_rtx" and not options.portable and not options.onnx_only:
+        from edgebuild.engine.plugin_library import TENSORRT_RTX_PLUGIN_LIMIT
+
         raise ConfigError(
-            "TensorRT-RTX cannot load the edgebuild attention plugin: use --portable with it"
+            f"builder tensorrt_rtx with plugin graphs: {TENSORRT_RTX_PLUGIN_LIMIT}; "
+            "use --portable with it (or build plugin graphs with TensorRT on the Jetson)"
         )
     b = recipe.build
     target = WeightSource(recipe.resolve(recipe.target), COMPONENT)
@@ -428,7 +431,7 @@ def _engines(plan: BuildPlan, options: BuildOptions, tmp: Path, roles: dict, pro
             "status": f"not built: {options.builder} is not installed; the bundle has the ONNX "
             "graphs only (build the engines on the device)"
         }
-    from edgebuild.doctor import plugin_library_path
+    from edgebuild.engine.plugin_library import plugin_library_path
 
     library = options.plugin_library or plugin_library_path()
     n = plan.recipe.speculative.num_speculative_tokens if plan.recipe.speculative else 0
