@@ -62,7 +62,9 @@ def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
     """Report for `edgebuild inspect`; with `draft`, which draft tensors come from the target.
 
     The checkpoint (the target, with `draft`) is checked as `LlamaForCausalLM.from_source`
-    would check it (:func:`check_decoder`), so a broken checkpoint fails here, not at build.
+    would check it (:func:`check_decoder`), and a draft goes through
+    :func:`edgebuild.models.dspark.check_draft`, the validation `edgebuild run`, the server and
+    `build` run before loading it: a draft they refuse fails here with the same message.
 
     Raises:
         CheckpointError / ConfigError / PairingError: unreadable or inconsistent checkpoints,
@@ -72,15 +74,27 @@ def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
         source = WeightSource(ckpt)
         check_decoder(source)
         return summarize(source)
+    from edgebuild.checkpoint.config import ModelConfig
     from edgebuild.checkpoint.pairing import PairedSources
+    from edgebuild.models.dspark import check_draft
 
     pair = PairedSources(WeightSource(draft), WeightSource(ckpt, TARGET))
     check_decoder(pair.target)
-    pair.validate()
-    head, embed = pair.lm_head(), pair.embed_tokens()
+    target_cfg = ModelConfig.from_dict(pair.target.config, source=str(pair.target.config_path))
+    checked = check_draft(pair, target_cfg)
+    head, embed, cfg = checked.lm_head, checked.embed_tokens, checked.config
     return {
         "target": summarize(pair.target),
-        "draft": summarize(pair.draft),
+        "draft": {
+            **summarize(pair.draft),
+            "block_size": cfg.block_size,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id,
+            "markov_head": f"{cfg.markov_head_type} rank {cfg.markov_rank}"
+            if cfg.markov_rank
+            else "none",
+            "confidence_head": cfg.enable_confidence_head,
+        },
         "borrowed": {
             "lm_head": f"{head.name} from {head.checkpoint_source} ({head.format}, {head.file})",
             "embed_tokens": f"{embed.name} from {embed.checkpoint_source} ({embed.format}, {embed.file})",

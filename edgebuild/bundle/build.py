@@ -45,8 +45,16 @@ from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.quant import QuantAlgo
 from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
 from edgebuild.errors import BundleError, ConfigError, MissingDependencyError
+from edgebuild.models.dspark import read_dspark_field
 from edgebuild.models.vision import VISION_PREFIX, VisionConfig
-from edgebuild.recipe import BuildSettings, ModelRef, Precision, Recipe, SpeculativeSettings
+from edgebuild.recipe import (
+    MAX_SPECULATIVE_TOKENS,
+    BuildSettings,
+    ModelRef,
+    Precision,
+    Recipe,
+    SpeculativeSettings,
+)
 
 log = logging.getLogger("edgebuild.bundle")
 
@@ -136,7 +144,9 @@ def recipe_from_flags(
     """A :class:`Recipe` for ``edgebuild build CKPT [--draft D]`` and its flags.
 
     ``precision`` defaults to the checkpoint's (nvfp4 / fp8 when quantized, else bf16 or fp16
-    from its dtype); ``num_speculative_tokens`` to the draft's ``block_size`` (at most 16);
+    from its dtype); ``num_speculative_tokens`` to the draft's ``block_size`` (at most 16; read
+    where :class:`~edgebuild.models.dspark.DSparkConfig` reads it: top level, ``dspark_config``
+    or ``dflash_config``);
     ``draft_top_k`` to the draft's ``markov_topk`` (else 16, see
     :func:`edgebuild.runtime.speculative.default_draft_top_k`).
     ``build`` holds the other ``build:`` keys (``max_batch_size``, ``max_input_len``, ...).
@@ -159,9 +169,15 @@ def recipe_from_flags(
     spec = None
     if draft is not None:
         if num_speculative_tokens is None:
-            dcfg = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))
-            block = dcfg.get("block_size") or (dcfg.get("dflash_config") or {}).get("block_size")
-            num_speculative_tokens = min(int(block or 7), 16)
+            path = Path(draft) / "config.json"
+            try:
+                dcfg = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
+            if not isinstance(dcfg, dict):
+                raise ConfigError(f"{path}: the draft config must be a JSON object")
+            block, _ = read_dspark_field(dcfg, "block_size", int, str(path))  # as DSparkConfig
+            num_speculative_tokens = min(block, MAX_SPECULATIVE_TOKENS)
         if draft_top_k is None:
             from edgebuild.runtime.speculative import default_draft_top_k
 
@@ -231,8 +247,7 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         pair = PairedSources(
             WeightSource(recipe.resolve(recipe.draft), COMPONENT), WeightSource(target.path, TARGET)
         )
-        pair.validate()
-        model = meta_draft(pair, tcfg, torch.float32)
+        model = meta_draft(pair, tcfg, torch.float32)  # check_draft: pairing, config, tensors
         draft_cfg = model.config
         n = recipe.speculative.num_speculative_tokens
         if n > draft_cfg.block_size:
