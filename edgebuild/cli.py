@@ -114,9 +114,14 @@ def doctor() -> None:
 )
 @click.option("--chat", is_flag=True, help="Use the model's chat template.")
 @click.option("--max-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help="Default: the checkpoint's generation_config.json (greedy without do_sample).",
+)
+@click.option("--top-p", type=float, default=None, help="Default: generation_config.json, else 1.")
+@click.option("--top-k", type=int, default=None, help="Default: generation_config.json, else 0.")
 @click.option("--seed", type=int, default=None)
 @click.option(
     "--speculative-config",
@@ -151,12 +156,12 @@ def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec,
         import torch
 
         torch.set_num_threads(threads)
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-    )
     choice = select_backend(backend, model)
     click.echo(f"backend: {choice.name} ({choice.reason})", err=True)
     llm = LLM(model, speculative=spec, backend=choice.name)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    sampling = {**llm.generation.sampling(), **{k: v for k, v in given.items() if v is not None}}
+    params = SamplingParams(max_tokens=max_tokens, seed=seed, **sampling)
     spec = llm.speculative  # a bundle brings its own draft
     ids = [llm.encode(p, chat) for p in prompts]
     results = _timed_generate(llm, ids, params)

@@ -17,11 +17,18 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:.1f} GiB"
 
 
+# Draft packagings: checked against their target (`--draft`), not as a standalone decoder.
+_DRAFT_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
+
+
 def summarize(source: WeightSource) -> dict:
-    """Architecture, dtypes, quant format, tensor count and bytes of one checkpoint."""
+    """Architecture, dtypes, quant format, tensor count and bytes of one checkpoint.
+
+    A decoder's report also says which ids end generation (:func:`stop_report`).
+    """
     cfg = text_config_view(source.config)  # a VLM's language model may sit in text_config
     dtypes = Counter(str(source.info(n).dtype).replace("torch.", "") for n in source.names())
-    return {
+    report = {
         "path": str(source.path),
         "architecture": (cfg.get("architectures") or [cfg.get("model_type", "?")])[0],
         "layers": cfg.get("num_hidden_layers"),
@@ -33,10 +40,28 @@ def summarize(source: WeightSource) -> dict:
         "bytes": _fmt_bytes(source.total_bytes()),
         "dtypes": dict(dtypes),
     }
+    if report["architecture"] not in _DRAFT_ARCHITECTURES:  # a decoder: what ends generation
+        report.update(stop_report(source))
+    return report
 
 
-# Draft packagings: checked against their target (`--draft`), not as a standalone decoder.
-_DRAFT_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
+def stop_report(source: WeightSource) -> dict[str, str]:
+    """Which ids end generation (generation_config.json, else config.json, plus the
+    tokenizer's EOS, as :meth:`edgebuild.runtime.llm.LLM.eos_ids`) and the sampling defaults.
+    """
+    from edgebuild.checkpoint.generation import read_generation_defaults, tokenizer_eos
+
+    gen = read_generation_defaults(source.path, source.config)
+    out = gen.describe()
+    tok = tokenizer_eos(source.path)
+    if tok is not None:
+        name, tok_id = tok
+        ids = sorted({*gen.eos_token_ids, *([tok_id] if tok_id is not None else [])})
+        out["eos_token_ids"] += f" + tokenizer eos_token {name!r} = {tok_id}"
+        out["stop_ids"] = str(ids)
+    else:
+        out["stop_ids"] = str(sorted(gen.eos_token_ids))
+    return out
 
 
 def check_decoder(source: WeightSource) -> None:
