@@ -16,7 +16,8 @@ Stages, each finished before the next starts:
    after ONNX and says so (the manifest records why no engine was built).
 4. **Bundle**: configs and tokenizer files copied, ``manifest.json`` written last, then the
    temporary directory is renamed to the output. An interrupted build leaves only a
-   ``.NAME.partial-*`` directory without a manifest, which nothing accepts as a bundle.
+   ``.NAME.partial-PID`` directory without a manifest, which nothing accepts as a bundle; a
+   build killed hard cannot remove it, so the next build of that output does.
 """
 
 from __future__ import annotations
@@ -341,13 +342,54 @@ class _Progress:
 
 
 # ----------------------------------------------------------------------------- build
+def _pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` runs on this machine (or exists but is not ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_staging(out: Path) -> list[Path]:
+    """Remove ``.NAME.partial-PID`` / ``.NAME.old-PID`` folders of killed builds of ``out``.
+
+    A build stages into ``.NAME.partial-PID`` next to the output and removes it when it fails;
+    a build killed hard (SIGKILL, power loss) cannot, so the next build of the same output
+    removes the folders whose process no longer runs. Folders of a running build are kept.
+
+    Returns:
+        The removed folders (each also logged at WARNING).
+    """
+    out = Path(out).resolve()
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for kind in ("partial", "old"):
+        for path in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
+            pid = path.name.rpartition("-")[2]
+            if not path.is_dir() or not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("removed %s, left by an interrupted build (process %s is gone)", path, pid)
+            removed.append(path)
+    return removed
+
+
 @contextmanager
 def _staging(out: Path, force: bool) -> Iterator[Path]:
-    """A temporary directory next to ``out``; renamed to ``out`` on success, removed else."""
+    """A temporary directory next to ``out``; renamed to ``out`` on success, removed else.
+
+    Staging folders that killed builds of ``out`` left behind are removed first
+    (:func:`clean_stale_staging`).
+    """
     out = Path(out).resolve()
     if out.exists() and not force:
         raise BundleError(f"{out} exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

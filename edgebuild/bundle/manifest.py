@@ -44,6 +44,7 @@ CHECKPOINT_FILES = (
     "pytorch_model.bin.index.json",
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+ROLES = ("base", "draft", "visual")  # the role folders of a bundle
 _CHUNK = 8 << 20
 
 
@@ -144,6 +145,28 @@ def _check_files(bundle: Path, manifest: dict) -> list[str]:
             rel = entry.get(key)
             if rel and rel not in files:
                 problems.append(f"roles.{role}.{key} = {rel!r} is not in the manifest's files")
+    problems += _unlisted_files(bundle, manifest, files)
+    return problems
+
+
+def _unlisted_files(bundle: Path, manifest: dict, files: dict) -> list[str]:
+    """Files in a role folder (``base/``, ``draft/``, ``visual/``) the manifest does not list.
+
+    Nothing writes into a bundle after its manifest, so such a file was added by hand (e.g. an
+    engine copied from another build) and would be loaded unchecked.
+    """
+    problems = []
+    for role in sorted({*ROLES, *(manifest.get("roles") or {})}):
+        folder = bundle / role
+        if not folder.is_dir():
+            continue
+        for path in sorted(p for p in folder.rglob("*") if not p.is_dir()):
+            rel = path.relative_to(bundle).as_posix()
+            if rel not in files:
+                problems.append(
+                    f"{rel}: not listed in {MANIFEST_NAME} (added after the build); remove it "
+                    "or rebuild the bundle"
+                )
     return problems
 
 
@@ -173,7 +196,8 @@ def _check_sources(manifest: dict) -> list[str]:
 
 def verify_bundle(bundle: Path, check_sources: bool = True) -> dict:
     """Re-check a bundle: manifest format and version, every file's size and sha256, the
-    roles' files, and (``check_sources``) the source checkpoints' hashes.
+    roles' files, no unlisted file in a role folder, and (``check_sources``) the source
+    checkpoints' hashes.
 
     Returns:
         The manifest.
