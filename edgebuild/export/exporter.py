@@ -391,7 +391,9 @@ def export_draft(
     """Export the DSpark draft of ``pair`` as the ``draft`` graph.
 
     The borrowed ``lm_head`` / ``embed_tokens`` are recorded with ``checkpoint_source``
-    ``"target"`` in ``edgebuild.weight_sources`` and ``edgebuild.lm_head_source``.
+    ``"target"`` in ``edgebuild.weight_sources`` and ``edgebuild.lm_head_source``. When both
+    resolve to the same tensor (a tied target), the graph holds it once, as
+    ``embed_tokens.weight``.
 
     Raises:
         ConfigError / PairingError / CheckpointError: see :func:`meta_draft`; an rnn head.
@@ -413,7 +415,15 @@ def export_draft(
         "edgebuild.dspark": json.dumps(dspark_fields(cfg), sort_keys=True),
     }
     sources = [pair.draft, pair.target]
-    return export_graph(graph, entries, out_dir, sources, meta, options.weights, on_tensor)
+    # a tied target gives one tensor as both head and embedding: store it once, as the base
+    # graph does (the Gather and the head's MatMul read the same initializer)
+    same = (head.checkpoint_source, head.file, head.name) == (
+        embed.checkpoint_source,
+        embed.file,
+        embed.name,
+    )
+    aliases = {"lm_head.weight": "embed_tokens.weight"} if same else {}
+    return export_graph(graph, entries, out_dir, sources, meta, options.weights, on_tensor, aliases)
 
 
 def dspark_fields(cfg) -> dict:
