@@ -17,14 +17,65 @@ def _version(dist: str) -> str | None:
         return None
 
 
+PLUGIN_GLOB = "libedgebuild_plugins*.so"
+PLUGIN_ENV = "EDGEBUILD_PLUGIN_LIB"
+
+
+def source_checkout() -> Path | None:
+    """The repository root when edgebuild runs from a checkout (it has ``plugins/``), else None.
+
+    A wheel install puts the package in ``site-packages/`` with no ``plugins/`` beside it.
+    """
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "plugins" / "CMakeLists.txt").is_file() else None
+
+
+def plugin_search_paths() -> list[Path]:
+    """Absolute paths where the plugin library is looked for, in order.
+
+    ``$EDGEBUILD_PLUGIN_LIB`` when set; in a checkout also ``plugins/build/`` and
+    ``build/plugins/`` (the two build folders the hints name). A wheel has no build folder.
+    """
+    paths = []
+    env = os.environ.get(PLUGIN_ENV)
+    if env:
+        paths.append(Path(env).expanduser().resolve())
+    root = source_checkout()
+    if root is not None:
+        paths += [root / "plugins" / "build", root / "build" / "plugins"]
+    return paths
+
+
 def plugin_library_path() -> Path | None:
-    """The attention plugin library: $EDGEBUILD_PLUGIN_LIB, else plugins/build/*.so."""
-    env = os.environ.get("EDGEBUILD_PLUGIN_LIB")
+    """The attention plugin library: ``$EDGEBUILD_PLUGIN_LIB`` (as given, even if missing),
+    else the first ``libedgebuild_plugins*.so`` in a checkout's build folder, else None."""
+    env = os.environ.get(PLUGIN_ENV)
     if env:
         return Path(env)
-    root = Path(__file__).resolve().parent.parent / "plugins" / "build"
-    found = sorted(root.glob("libedgebuild_plugins*.so")) if root.is_dir() else []
-    return found[0] if found else None
+    for folder in plugin_search_paths():
+        found = sorted(folder.glob(PLUGIN_GLOB)) if folder.is_dir() else []
+        if found:
+            return found[0]
+    return None
+
+
+def plugin_build_hint() -> str:
+    """How to get the plugin library here, with the absolute paths that were searched."""
+    searched = ", ".join(str(p) for p in plugin_search_paths()) or f"${PLUGIN_ENV} (not set)"
+    root = source_checkout()
+    if root is not None:
+        src, out = root / "plugins", root / "plugins" / "build"
+        how = (
+            f"build it with `cmake -S {src} -B {out} -DTENSORRT_ROOT=... && cmake --build "
+            f"{out}` (on the device, with its TensorRT headers) or set {PLUGIN_ENV}"
+        )
+    else:
+        how = (
+            f"this edgebuild is installed as a package ({Path(__file__).resolve().parent}), "
+            "which ships no plugin sources: build plugins/ of the edgebuild source tree with "
+            f"cmake on the device and set {PLUGIN_ENV} to the built .so"
+        )
+    return f"searched {searched}; {how}"
 
 
 def run_checks() -> list[tuple[str, bool, str]]:
@@ -70,7 +121,9 @@ def run_checks() -> list[tuple[str, bool, str]]:
         (
             "plugin library",
             bool(lib and lib.exists()),
-            str(lib) if lib else "not built (cmake -S plugins -B plugins/build)",
+            str(lib)
+            if lib and lib.exists()
+            else f"{'not found' if lib is None else f'{lib} does not exist'}: {plugin_build_hint()}",
         )
     )
     return rows

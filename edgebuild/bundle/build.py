@@ -202,17 +202,42 @@ def recipe_from_flags(
     return recipe.validate()
 
 
+# modules of the `export` extra (pyproject.toml) that building imports
+_EXPORT_MODULES = ("onnx", "onnxscript", "onnx_ir")
+
+
+def require_export_extra() -> None:
+    """Check that the ``export`` extra is installed before anything imports it.
+
+    Raises:
+        MissingDependencyError: naming the missing module and ``pip install 'edgebuild[export]'``.
+    """
+    import importlib
+
+    for name in _EXPORT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"building a bundle exports ONNX graphs, which needs the '{name}' module "
+                f"({exc}); install the export extra: pip install 'edgebuild[export]'"
+            ) from None
+
+
 def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
     """Stage 1: open and validate everything before any export work.
 
     Raises:
         CheckpointError / PairingError / QuantFormatError: bad or mismatched checkpoints
             (a VLM target's ``visual.*`` tensors included).
+        MissingDependencyError: the ``export`` extra is not installed.
         ConfigError: precision vs stored formats, NVFP4 / FP8 on Orin, block size, an rnn
             Markov head (no engine form), a builder that cannot take the graphs, a VLM
             target's ``build.max_image_tokens`` above ``build.max_input_len``.
     """
     from edgebuild.engine import BUILDERS, check_device_formats
+
+    require_export_extra()
     from edgebuild.export.exporter import meta_draft, meta_target
     from edgebuild.export.graphs import DraftGraph, GraphKind
 

@@ -281,11 +281,12 @@ def _load_plugin(trt, builder, library: Path | None, needs_plugin: bool, name: s
     if not needs_plugin:
         return
     if library is None or not Path(library).is_file():
+        from edgebuild.doctor import plugin_build_hint
+
         raise MissingDependencyError(
             f"the graph has {name} plugin nodes but the plugin library "
-            f"{library or '(not found)'} is missing: build it with "
-            "`cmake -S plugins -B build/plugins -DTENSORRT_ROOT=... && cmake --build "
-            "build/plugins` and pass --plugin-library (or set EDGEBUILD_PLUGIN_LIB)"
+            f"{library or '(not found)'} is missing ({plugin_build_hint()}); or pass "
+            "--plugin-library"
         )
     builder.get_plugin_registry().load_library(str(library))
 
