@@ -5,7 +5,10 @@ Published DSpark / DFlash drafts (SpecForge, RadixArk) ship no `lm_head` and no
 Whether the draft "has its own head" is decided by the tensors present, never by comparing
 vocab sizes. A target with tied embeddings gives `model.embed_tokens.weight` as its head. An
 NVFP4 target head stays a :class:`QuantizedWeight` (never reinterpreted as a dense weight).
-Every resolved tensor records which checkpoint it came from.
+Every resolved tensor records which checkpoint it came from. :meth:`PairedSources.validate`
+refuses a draft whose hidden size or vocab size differs from the target's (padding included:
+verification compares the two distributions over one vocabulary) or whose own tokenizer
+differs from the target's at some id.
 """
 
 from __future__ import annotations

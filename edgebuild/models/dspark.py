@@ -13,7 +13,11 @@ This module owns:
 
 * :class:`DSparkConfig`: both packagings (DeepSpec ``Qwen3DSparkModel``, SpecForge / RadixArk
   ``DSparkDraftModel``), parsed from the top level, ``dflash_config`` and ``dspark_config``
-  (spec §1.1, §6.1), and ``validate()`` against the target (spec §1.5, §6.3-§6.8).
+  (spec §1.1, §6.1; :func:`read_dspark_field` is the one reader, also used for the runtime's
+  and the build's defaults), and ``validate()`` against the target (spec §1.5, §6.3-§6.8).
+  Fields with values edgebuild does not implement are refused by name (:func:`_check_layout`).
+* :func:`check_draft`: the one validation of a draft against its target (config, tensors,
+  resolved head / embedding) that run, serve, build and ``inspect --draft`` share.
 * :class:`DSparkDraft`: parameter names are the checkpoint names without a ``model.`` prefix
   (spec §1.2); :func:`canonical_name` is the one place that maps other spellings
   (``model.`` prefix, legacy ``logit_head.`` nesting) onto them.
@@ -413,8 +417,8 @@ class DSparkConfig:
 
         Raises:
             ConfigError: unknown architecture (lists the supported ones), a ``projector_type``
-                other than "dspark", missing / mistyped fields, bad rope, or any
-                :meth:`validate` error.
+                other than "dspark", missing / mistyped fields, a field whose value is not
+                implemented (:func:`_check_layout`), bad rope, or any :meth:`validate` error.
             PairingError: from :meth:`validate`.
         """
         arch = (draft_cfg.get("architectures") or [None])[0]
