@@ -285,6 +285,21 @@ def test_a_draft_tokenizer_that_differs_at_some_id_is_refused(tmp_path, target):
     assert result.exit_code == 2 and result.stderr == f"error: {msg}\n", result.output
 
 
+def test_a_draft_vocab_json_that_differs_is_refused_too(tmp_path, target):
+    """A draft shipping vocab.json (+ added_tokens_decoder) instead of tokenizer.json."""
+    draft = make_random_draft(tmp_path / "draft", target)
+    vocab = {f"t{i}": i for i in range(980)}
+    (draft / "vocab.json").write_text(json.dumps(vocab))
+    added = {str(i): {"content": f"t{i}"} for i in range(980, 989)} | {"989": {"content": "<x>"}}
+    (draft / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
+    exc = _loader_error(draft, target)
+    assert isinstance(exc, PairingError), f"{type(exc).__name__}: {exc}"
+    assert "at id 989: '<x>' vs 't989'" in str(exc) and str(draft / "vocab.json") in str(exc)
+    added["989"] = {"content": "t989"}  # now equal to the target's tokenizer
+    (draft / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
+    assert _inspect(target, draft).exit_code == 0
+
+
 @pytest.mark.parametrize("extra", [0, 2], ids=["identical", "padding-tokens-appended"])
 def test_a_draft_tokenizer_equal_up_to_padding_is_accepted(extra, tmp_path, target):
     draft = make_random_draft(tmp_path / "draft", target)

@@ -70,23 +70,43 @@ def _resolve(source: WeightSource, name: str) -> Resolved:
     return Resolved(value, name, source.checkpoint_source, str(source.info(name).file))
 
 
-def tokenizer_tokens(model_dir: Path) -> dict[int, str] | None:
-    """{id: token} of ``model_dir/tokenizer.json`` (model vocab + added tokens), or None.
+def tokenizer_file(model_dir: Path) -> Path | None:
+    """The file that holds a checkpoint's vocabulary: ``tokenizer.json``, else ``vocab.json``."""
+    for name in ("tokenizer.json", "vocab.json"):
+        if (Path(model_dir) / name).is_file():
+            return Path(model_dir) / name
+    return None
 
-    BPE / WordPiece / WordLevel vocabularies are ``{token: id}``; Unigram (SentencePiece) is
-    ``[[piece, score], ...]`` in id order. None when there is no readable tokenizer.json.
-    """
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
+
+def _read_json(path: Path) -> object:
     try:
-        tok = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+
+
+def tokenizer_tokens(model_dir: Path) -> dict[int, str] | None:
+    """{id: token} of a checkpoint's tokenizer (vocab + added tokens), or None.
+
+    From ``tokenizer.json``: BPE / WordPiece / WordLevel vocabularies are ``{token: id}``,
+    Unigram (SentencePiece) is ``[[piece, score], ...]`` in id order, plus ``added_tokens``.
+    Else from ``vocab.json`` (``{token: id}``) plus ``tokenizer_config.json``'s
+    ``added_tokens_decoder``. None when neither file is there or readable.
+    """
+    path = tokenizer_file(model_dir)
+    tok = _read_json(path) if path is not None else None
     if not isinstance(tok, dict):
         return None
-    vocab = (tok.get("model") or {}).get("vocab") or {}
     out: dict[int, str] = {}
+    if path.name == "vocab.json":
+        out.update({i: t for t, i in tok.items() if isinstance(i, int)})
+        cfg = _read_json(Path(model_dir) / "tokenizer_config.json")
+        added = cfg.get("added_tokens_decoder") if isinstance(cfg, dict) else None
+        for i, t in (added or {}).items():
+            if str(i).isdigit() and isinstance(t, dict):
+                out[int(i)] = str(t.get("content"))
+        return out
+    vocab = (tok.get("model") or {}).get("vocab") or {}
     if isinstance(vocab, dict):
         out.update({i: t for t, i in vocab.items() if isinstance(i, int)})
     elif isinstance(vocab, list):
@@ -112,13 +132,13 @@ def _check_tokenizers(draft_dir: Path, target_dir: Path) -> None:
     Raises:
         PairingError: naming both tokenizer files, the first differing id and both tokens.
     """
-    draft_tokens = tokenizer_tokens(draft_dir)
-    if draft_tokens is None:
+    dpath, tpath = tokenizer_file(draft_dir), tokenizer_file(target_dir)
+    if dpath is None:
         return  # the draft uses the target's tokenizer (published drafts ship none)
-    dpath, tpath = Path(draft_dir) / "tokenizer.json", Path(target_dir) / "tokenizer.json"
-    target_tokens = tokenizer_tokens(target_dir)
-    if target_tokens is None:
-        log.warning("%s: cannot compare with the target's tokenizer (no %s)", dpath, tpath)
+    draft_tokens, target_tokens = tokenizer_tokens(draft_dir), tokenizer_tokens(target_dir)
+    if draft_tokens is None or target_tokens is None:
+        unreadable = dpath if draft_tokens is None else (tpath or Path(target_dir))
+        log.warning("%s: cannot compare the draft's tokenizer with the target's", unreadable)
         return
     d_end, t_end = max(draft_tokens, default=-1), max(target_tokens, default=-1)
     for i in sorted(set(draft_tokens) | set(target_tokens)):
