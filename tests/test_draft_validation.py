@@ -232,6 +232,10 @@ UNIMPLEMENTED = {
         _set(layer_types=["sliding_attention"]),
         ["layer_types", "sliding_attention"],
     ),
+    "base-model-hidden-size-wrong": (
+        _set(base_model_hidden_size=2 * D),
+        ["'base_model_hidden_size' = 128", "1 * 64 = 64"],
+    ),
     "unknown-section-key": (
         _set(dflash_fancy_new_mode="on"),
         ["unknown DSpark field", "dflash_config.fancy_new_mode"],
@@ -261,9 +265,10 @@ def test_config_fields_edgebuild_does_not_implement_are_refused_by_name(name, tm
         _set(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # HF: all full
         _set(use_sliding_window=True, sliding_window=8, layer_types=["full_attention"]),
         _set(dflash_confidence_head_alpha=1.0, dflash_num_anchors=512, dflash_is_neox_style=True),
+        _set(dflash_heads_file="dspark_heads.safetensors", base_model_hidden_size=D),
     ],
     ids=["draft-vocab-equal", "implemented-flags", "window-off", "window-layers", "layer-types",
-         "training-only"],
+         "training-only", "tel-runtime-keys"],
 )  # fmt: skip
 def test_implemented_values_of_those_fields_are_accepted(edit, tmp_path, target):
     draft = make_random_draft(tmp_path / "draft", target)

@@ -237,7 +237,8 @@ def _draft_rope(cfg: Mapping, target: ModelConfig, source: str) -> RopeScaling:
 
 
 # Every key a ``dspark_config`` / ``dflash_config`` section may hold: parsed by DSparkConfig,
-# checked by :func:`_check_layout`, or training-only. Any other key is refused by name.
+# checked (:func:`_check_layout`, :meth:`DSparkConfig.validate`) or inert. Any other key is
+# refused by name.
 _PARSED_KEYS = frozenset(
     {
         "block_size",
@@ -253,7 +254,10 @@ _PARSED_KEYS = frozenset(
         "markov_topk",  # the runtime's draft_top_k default (edgebuild.runtime.speculative)
     }
 )
-_TRAINING_ONLY_KEYS = frozenset({"confidence_head_alpha", "num_anchors"})  # loss / sampling
+# Keys that do not change inference: training settings (loss weight, anchors sampled per
+# sequence) and TensorRT-Edge-LLM's sidecar file names (edgebuild reads the heads' tensors
+# from the checkpoint; missing tensors are refused by the tensor check).
+_INERT_KEYS = frozenset({"confidence_head_alpha", "num_anchors", "heads_file", "heads_info_file"})
 # Layout flags (vLLM / DFlash spellings) -> the one value edgebuild implements. DSpark rows are
 # all-predicting (row 0, the anchor, predicts s+1; spec §3), attention is non-causal over the
 # whole context and block, RoPE is the half-split (neox) form (spec §7), no sliding window.
@@ -267,9 +271,9 @@ _IMPLEMENTED_FLAGS: dict[str, Any] = {
 }
 _SECTION_KEYS = (
     _PARSED_KEYS
-    | _TRAINING_ONLY_KEYS
+    | _INERT_KEYS
     | set(_IMPLEMENTED_FLAGS)
-    | {"draft_vocab_size", "swa_window_size", "attention_sink_bias"}
+    | {"draft_vocab_size", "base_model_hidden_size", "swa_window_size", "attention_sink_bias"}
 )
 
 
@@ -546,6 +550,12 @@ class DSparkConfig:
                 f"{s}: draft hidden_size {self.hidden_size} != target hidden_size "
                 f"{target.hidden_size} ({target.source}); the draft was trained for another "
                 "target - pair it with its own target"
+            )
+        declared, where = read_dspark_field(self.raw, "base_model_hidden_size", int, s, None)
+        if declared is not None and declared != self.fc_in_features:
+            raise ConfigError(
+                f"{s}: field '{where}' = {declared} != len(target_layer_ids) * hidden_size = "
+                f"{self.num_taps} * {self.hidden_size} = {self.fc_in_features}; fix one of them"
             )
         if fc_in_features is not None and fc_in_features != self.fc_in_features:
             raise PairingError(
