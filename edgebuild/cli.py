@@ -351,6 +351,7 @@ def build(source, draft, out, onnx_only, portable, builder, plugin_library, timi
 def verify(bundle: Path, no_sources: bool) -> None:
     """Re-check a bundle: format version, every file's sha256, source checkpoint hashes."""
     from edgebuild.bundle import verify_bundle
+    from edgebuild.bundle.manifest import stale_staging
 
     manifest = verify_bundle(bundle, check_sources=not no_sources)
     checked = "" if no_sources else f", sources {', '.join(manifest['sources'])} unchanged"
@@ -358,6 +359,12 @@ def verify(bundle: Path, no_sources: bool) -> None:
         f"ok: {bundle} (format {manifest['format_version']}, roles "
         f"{', '.join(manifest['roles'])}, {len(manifest['files'])} files verified{checked})"
     )
+    for path, pid in stale_staging(bundle):
+        click.echo(
+            f"note: {path} was left by an interrupted build (process {pid} is gone); the next "
+            f"build of {bundle.name} removes it, or delete it",
+            err=True,
+        )
 
 
 if __name__ == "__main__":

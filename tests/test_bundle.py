@@ -222,10 +222,14 @@ def test_an_existing_output_is_only_replaced_with_force(bundle, pair, tmp_path):
 
 
 def test_a_build_removes_the_staging_folders_of_killed_builds_only(pair, tmp_path, caplog):
-    """A SIGKILLed build cannot remove its `.NAME.partial-PID`; the next build of NAME does."""
+    """A SIGKILLed build cannot remove its `.NAME.partial-PID`; verify reports it, the next
+    build of NAME removes it."""
     import subprocess
     import sys
 
+    recipe = recipe_from_flags(pair[0], None, **LIMITS)
+    out = tmp_path / "out"
+    build_bundle(recipe, out, BuildOptions(onnx_only=True, progress=False))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid no longer runs
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -239,14 +243,17 @@ def test_a_build_removes_the_staging_folders_of_killed_builds_only(pair, tmp_pat
         for path in leftovers.values():
             (path / "base").mkdir(parents=True)
             (path / "base" / "model.onnx.data").write_bytes(b"x" * 100)
-        recipe = recipe_from_flags(pair[0], None, **LIMITS)
+        verified = CliRunner().invoke(main, ["verify", str(out)])
+        assert verified.exit_code == 0, verified.output
+        assert f"note: {leftovers['killed']} was left by an interrupted build" in verified.stderr
+        assert str(leftovers["running"]) not in verified.stderr
         with caplog.at_level("WARNING", logger="edgebuild.bundle"):
-            build_bundle(recipe, tmp_path / "out", BuildOptions(onnx_only=True, progress=False))
+            build_bundle(recipe, out, BuildOptions(onnx_only=True, progress=False, force=True))
         assert not leftovers["killed"].exists() and not leftovers["killed-old"].exists()
         assert leftovers["running"].is_dir()  # a build still in progress keeps its folder
         assert leftovers["other-output"].is_dir()  # another output's folders are not ours
         assert str(leftovers["killed"]) in caplog.text and "interrupted build" in caplog.text
-        verify_bundle(tmp_path / "out")
+        verify_bundle(out)
     finally:
         alive.kill()
         alive.wait()

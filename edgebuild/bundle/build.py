@@ -40,6 +40,7 @@ from edgebuild.bundle.manifest import (
     dumps,
     file_record,
     source_record,
+    stale_staging,
 )
 from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.pairing import PairedSources
@@ -367,39 +368,22 @@ class _Progress:
 
 
 # ----------------------------------------------------------------------------- build
-def _pid_alive(pid: int) -> bool:
-    """True when a process ``pid`` runs on this machine (or exists but is not ours)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_staging(out: Path) -> list[Path]:
     """Remove ``.NAME.partial-PID`` / ``.NAME.old-PID`` folders of killed builds of ``out``.
 
     A build stages into ``.NAME.partial-PID`` next to the output and removes it when it fails;
     a build killed hard (SIGKILL, power loss) cannot, so the next build of the same output
-    removes the folders whose process no longer runs. Folders of a running build are kept.
+    removes the folders whose process no longer runs (:func:`stale_staging`). Folders of a
+    running build are kept.
 
     Returns:
         The removed folders (each also logged at WARNING).
     """
-    out = Path(out).resolve()
     removed = []
-    if not out.parent.is_dir():
-        return removed
-    for kind in ("partial", "old"):
-        for path in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
-            pid = path.name.rpartition("-")[2]
-            if not path.is_dir() or not pid.isdigit() or _pid_alive(int(pid)):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            log.warning("removed %s, left by an interrupted build (process %s is gone)", path, pid)
-            removed.append(path)
+    for path, pid in stale_staging(out):
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s, left by an interrupted build (process %s is gone)", path, pid)
+        removed.append(path)
     return removed
 
 

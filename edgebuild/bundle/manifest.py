@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,6 +218,35 @@ def verify_bundle(bundle: Path, check_sources: bool = True) -> dict:
             f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
         )
     return manifest
+
+
+def _pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` runs on this machine (or exists but is not ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_staging(out: Path) -> list[tuple[Path, int]]:
+    """``(folder, pid)`` of the staging folders that killed builds of ``out`` left behind.
+
+    A build of ``NAME`` writes ``.NAME.partial-PID`` (and, while replacing, ``.NAME.old-PID``)
+    next to it; a folder whose process no longer runs on this machine is stale.
+    """
+    out = Path(out).resolve()
+    found = []
+    if not out.parent.is_dir():
+        return found
+    for kind in ("partial", "old"):
+        for path in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
+            pid = path.name.rpartition("-")[2]
+            if path.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+                found.append((path, int(pid)))
+    return found
 
 
 def is_bundle(path: Path) -> bool:
