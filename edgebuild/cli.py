@@ -115,9 +115,14 @@ def doctor() -> None:
 )
 @click.option("--chat", is_flag=True, help="Use the model's chat template.")
 @click.option("--max-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help="Default: the checkpoint's generation_config.json (greedy without do_sample).",
+)
+@click.option("--top-p", type=float, default=None, help="Default: generation_config.json, else 1.")
+@click.option("--top-k", type=int, default=None, help="Default: generation_config.json, else 0.")
 @click.option("--seed", type=int, default=None)
 @click.option(
     "--speculative-config",
@@ -163,13 +168,13 @@ def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec,
     from edgebuild.runtime.select import select_backend
 
     set_cpu_threads(threads)
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-    )
     choice = select_backend(backend, model)
     click.echo(f"backend: {choice.name} ({choice.reason})", err=True)
     options = RuntimeOptions(dtype=resolve_dtype(dtype), quant=quant)
     llm = LLM(model, speculative=spec, options=options, backend=choice.name)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    sampling = {**llm.generation.sampling(), **{k: v for k, v in given.items() if v is not None}}
+    params = SamplingParams(max_tokens=max_tokens, seed=seed, **sampling)
     spec = llm.speculative  # a bundle brings its own draft
     ids = [llm.encode(p, chat) for p in prompts]
     if compare and spec:  # warm both paths first, so neither pays first-call costs in the timing
@@ -362,6 +367,7 @@ def build(source, draft, out, onnx_only, portable, builder, plugin_library, timi
 def verify(bundle: Path, no_sources: bool) -> None:
     """Re-check a bundle: format version, every file's sha256, source checkpoint hashes."""
     from edgebuild.bundle import verify_bundle
+    from edgebuild.bundle.manifest import stale_staging
 
     manifest = verify_bundle(bundle, check_sources=not no_sources)
     checked = "" if no_sources else f", sources {', '.join(manifest['sources'])} unchanged"
@@ -369,6 +375,12 @@ def verify(bundle: Path, no_sources: bool) -> None:
         f"ok: {bundle} (format {manifest['format_version']}, roles "
         f"{', '.join(manifest['roles'])}, {len(manifest['files'])} files verified{checked})"
     )
+    for path, pid in stale_staging(bundle):
+        click.echo(
+            f"note: {path} was left by an interrupted build (process {pid} is gone); the next "
+            f"build of {bundle.name} removes it, or delete it",
+            err=True,
+        )
 
 
 if __name__ == "__main__":

@@ -8,10 +8,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from edgebuild.engine.plugin_library import PLUGIN_BUILD_HINT, plugin_library_path
+from edgebuild.engine.plugin_library import (
+    plugin_build_hint,
+    plugin_library_path,
+    plugin_search_paths,
+)
 
-# plugin_library_path is owned by edgebuild.engine.plugin_library; re-exported for old imports
-__all__ = ["plugin_library_path", "run_checks"]
+# the plugin path and hint are owned by edgebuild.engine.plugin_library; re-exported here
+__all__ = ["plugin_build_hint", "plugin_library_path", "plugin_search_paths", "run_checks"]
 
 
 def _version(dist: str) -> str | None:
@@ -68,7 +72,9 @@ def run_checks() -> list[tuple[str, bool, str]]:
         (
             "plugin library",
             bool(lib and lib.exists()),
-            str(lib) if lib else f"not built ({PLUGIN_BUILD_HINT})",
+            str(lib)
+            if lib and lib.exists()
+            else f"{'not found' if lib is None else f'{lib} does not exist'}: {plugin_build_hint()}",
         )
     )
     return rows

@@ -285,10 +285,10 @@ def _parse(trt, network, logger, onnx_path: Path) -> None:
 def _load_plugin(trt, builder, library: Path | None, needs_plugin: bool, name: str) -> None:
     if not needs_plugin:
         return
-    from edgebuild.engine.plugin_library import ENV_VAR, PLUGIN_BUILD_DIR, build_instructions
+    from edgebuild.engine.plugin_library import build_instructions
 
     if library is None or not Path(library).is_file():
-        looked = library or f"not found: looked at ${ENV_VAR} and {PLUGIN_BUILD_DIR}"
+        looked = library or "not found"
         raise MissingDependencyError(
             f"the graph has {name} plugin nodes but the plugin library ({looked}) is "
             f"missing; {build_instructions()}"

@@ -17,7 +17,7 @@ import torch
 from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
-from edgebuild.models.dspark import DSparkConfig, DSparkDraft, MarkovHeadType
+from edgebuild.models.dspark import DSparkDraft, MarkovHeadType, check_draft
 from edgebuild.runtime.backend import Proposal
 from edgebuild.runtime.cpu import resolve_dtype
 from edgebuild.runtime.kv_cache import PageAllocator, Sequence, allocate_pools
@@ -185,12 +185,10 @@ def prepare_draft(
     """
     draft_source = WeightSource(spec.model, COMPONENT)
     pair = PairedSources(draft_source, WeightSource(target_source.path, TARGET))
-    pair.validate()
     target_cfg = ModelConfig.from_dict(target_source.config, str(target_source.config_path))
-    dcfg = DSparkConfig.from_dict(draft_source.config, target_cfg, str(draft_source.config_path))
-    dcfg.validate(target_cfg)
-    spec.check_block(dcfg.block_size, str(draft_source.config_path))
-    head, embed = pair.lm_head(), pair.embed_tokens()
+    checked = check_draft(pair, target_cfg)  # the same checks as `edgebuild inspect --draft`
+    spec.check_block(checked.config.block_size, str(draft_source.config_path))
+    head, embed = checked.lm_head, checked.embed_tokens
     log.info(
         "draft %s: lm_head from %s (%s), embed_tokens from %s",
         spec.model,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from edgebuild.checkpoint.generation import read_generation_defaults
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError, ConfigError, RequestError
 from edgebuild.models.image_processing import ImageInput
@@ -117,6 +118,8 @@ class LLM:
             spec = SpeculativeConfig.parse(spec)
         self.speculative = spec
         self.source = WeightSource(self.model_dir)
+        # default stop ids and sampling settings (HF semantics: generation_config.json first)
+        self.generation = read_generation_defaults(self.model_dir, self.source.config)
         self.backend = backend
         if backend == "tensorrt":  # the bundle's engines; no torch weights are loaded
             from edgebuild.runtime.trt_backend import open_trt_runtime
@@ -215,7 +218,12 @@ class LLM:
         return self.vision.process(images)
 
     def eos_ids(self) -> frozenset[int]:
-        ids = set(self.config.eos_token_id)
+        """Ids that end generation: the checkpoint's default EOS ids plus the tokenizer's.
+
+        The default ids are ``generation_config.json``'s ``eos_token_id`` when it has one (HF
+        semantics; chat models list more ids there), else ``config.json``'s.
+        """
+        ids = set(self.generation.eos_token_ids or self.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)

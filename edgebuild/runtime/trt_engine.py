@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from edgebuild.engine.plugin_library import ENV_VAR, PLUGIN_BUILD_DIR, PLUGIN_BUILD_HINT
+from edgebuild.engine.plugin_library import plugin_build_hint
 from edgebuild.errors import EngineError, MissingDependencyError
 from edgebuild.runtime.trt_plan import (
     KV_INPUT,
@@ -91,15 +91,11 @@ def load_plugin_library(registry, plugin: dict, library: Path | None, bundle: Pa
             library and how to build it.
     """
     want = f"{plugin['name']} version {plugin['version']} (namespace {plugin['namespace']!r})"
-    fix = (
-        f"build it from this checkout with `{PLUGIN_BUILD_HINT}` (on the device, with the "
-        f"TensorRT headers) or point {ENV_VAR} at it"
-    )
+    fix = plugin_build_hint()
     if library is None or not Path(library).is_file():
         raise MissingDependencyError(
             f"{bundle}: the engines use the {want} plugin, but its library "
-            f"{plugin['library']} was not found ({library or f'looked at ${ENV_VAR} and {PLUGIN_BUILD_DIR}'}); "
-            + fix
+            f"{plugin['library']} was not found{f' at {library}' if library else ''}; " + fix
         )
     handle = registry.load_library(str(library))
     if handle is None:
