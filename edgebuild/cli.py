@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from edgebuild.errors import EdgebuildError
+from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.select import BACKENDS
 
 
@@ -114,9 +115,14 @@ def doctor() -> None:
 )
 @click.option("--chat", is_flag=True, help="Use the model's chat template.")
 @click.option("--max-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help="Default: the checkpoint's generation_config.json (greedy without do_sample).",
+)
+@click.option("--top-p", type=float, default=None, help="Default: generation_config.json, else 1.")
+@click.option("--top-k", type=int, default=None, help="Default: generation_config.json, else 0.")
 @click.option("--seed", type=int, default=None)
 @click.option(
     "--speculative-config",
@@ -130,7 +136,20 @@ def doctor() -> None:
     "--threads",
     type=click.IntRange(min=1),
     default=None,
-    help="torch intra-op threads for the CPU backend (default: torch's choice).",
+    help="torch intra-op threads for the CPU backend (default: cores - 1, at least 1).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPE_CHOICES),
+    default="auto",
+    show_default=True,
+    help="CPU compute dtype; auto: bfloat16 where the CPU has native bf16, else float32.",
+)
+@click.option(
+    "--quant",
+    type=click.Choice(["int8"]),
+    default=None,
+    help="CPU backend: weight-only int8 linears (opt-in; faster, outputs are the int8 model's).",
 )
 @click.option(
     "--backend",
@@ -141,24 +160,26 @@ def doctor() -> None:
 )
 @_friendly
 def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec, compare, as_json,
-        threads, backend):  # fmt: skip
+        threads, dtype, quant, backend):  # fmt: skip
     """Generate with MODEL (a checkpoint or a bundle; DSpark with --speculative-config)."""
-    from edgebuild.runtime.llm import LLM
+    from edgebuild.runtime.cpu import resolve_dtype, set_cpu_threads
+    from edgebuild.runtime.llm import LLM, RuntimeOptions
     from edgebuild.runtime.sampling import SamplingParams
     from edgebuild.runtime.select import select_backend
 
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-    )
+    set_cpu_threads(threads)
     choice = select_backend(backend, model)
     click.echo(f"backend: {choice.name} ({choice.reason})", err=True)
-    llm = LLM(model, speculative=spec, backend=choice.name)
+    options = RuntimeOptions(dtype=resolve_dtype(dtype), quant=quant)
+    llm = LLM(model, speculative=spec, options=options, backend=choice.name)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    sampling = {**llm.generation.sampling(), **{k: v for k, v in given.items() if v is not None}}
+    params = SamplingParams(max_tokens=max_tokens, seed=seed, **sampling)
     spec = llm.speculative  # a bundle brings its own draft
     ids = [llm.encode(p, chat) for p in prompts]
+    if compare and spec:  # warm both paths first, so neither pays first-call costs in the timing
+        for warm in (llm, _target_only(llm)):
+            warm.generate_ids(ids[:1], SamplingParams(max_tokens=4))
     results = _timed_generate(llm, ids, params)
     report = {"mode": "dspark" if spec else "target-only", "backend": choice.name, **results}
     if compare and spec:
@@ -346,6 +367,7 @@ def build(source, draft, out, onnx_only, portable, builder, plugin_library, timi
 def verify(bundle: Path, no_sources: bool) -> None:
     """Re-check a bundle: format version, every file's sha256, source checkpoint hashes."""
     from edgebuild.bundle import verify_bundle
+    from edgebuild.bundle.manifest import stale_staging
 
     manifest = verify_bundle(bundle, check_sources=not no_sources)
     checked = "" if no_sources else f", sources {', '.join(manifest['sources'])} unchanged"
@@ -353,6 +375,12 @@ def verify(bundle: Path, no_sources: bool) -> None:
         f"ok: {bundle} (format {manifest['format_version']}, roles "
         f"{', '.join(manifest['roles'])}, {len(manifest['files'])} files verified{checked})"
     )
+    for path, pid in stale_staging(bundle):
+        click.echo(
+            f"note: {path} was left by an interrupted build (process {pid} is gone); the next "
+            f"build of {bundle.name} removes it, or delete it",
+            err=True,
+        )
 
 
 if __name__ == "__main__":

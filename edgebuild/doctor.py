@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import importlib.metadata as md
-import os
 import platform
 import shutil
 import subprocess
 from pathlib import Path
+
+from edgebuild.engine.plugin_library import (
+    plugin_build_hint,
+    plugin_library_path,
+    plugin_search_paths,
+)
+
+# the plugin path and hint are owned by edgebuild.engine.plugin_library; re-exported here
+__all__ = ["plugin_build_hint", "plugin_library_path", "plugin_search_paths", "run_checks"]
 
 
 def _version(dist: str) -> str | None:
@@ -17,22 +25,16 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def plugin_library_path() -> Path | None:
-    """The attention plugin library: $EDGEBUILD_PLUGIN_LIB, else plugins/build/*.so."""
-    env = os.environ.get("EDGEBUILD_PLUGIN_LIB")
-    if env:
-        return Path(env)
-    root = Path(__file__).resolve().parent.parent / "plugins" / "build"
-    found = sorted(root.glob("libedgebuild_plugins*.so")) if root.is_dir() else []
-    return found[0] if found else None
-
-
 def run_checks() -> list[tuple[str, bool, str]]:
     """(name, ok, detail) rows; never raises."""
     rows: list[tuple[str, bool, str]] = [("python", True, platform.python_version())]
     import torch
 
     rows.append(("torch", True, f"{torch.__version__} (cuda build: {torch.version.cuda or 'no'})"))
+    from edgebuild.runtime.cpu import cpu_bf16_support, default_cpu_threads, describe_cpu
+
+    rows.append(("cpu", cpu_bf16_support().native, describe_cpu()))
+    rows.append(("cpu threads", True, f"{default_cpu_threads()} intra-op (default: cores - 1)"))
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         rows.append(("gpu", True, f"{torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}"))
@@ -70,7 +72,9 @@ def run_checks() -> list[tuple[str, bool, str]]:
         (
             "plugin library",
             bool(lib and lib.exists()),
-            str(lib) if lib else "not built (cmake -S plugins -B plugins/build)",
+            str(lib)
+            if lib and lib.exists()
+            else f"{'not found' if lib is None else f'{lib} does not exist'}: {plugin_build_hint()}",
         )
     )
     return rows

@@ -17,11 +17,18 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:.1f} GiB"
 
 
+# Draft packagings: checked against their target (`--draft`), not as a standalone decoder.
+_DRAFT_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
+
+
 def summarize(source: WeightSource) -> dict:
-    """Architecture, dtypes, quant format, tensor count and bytes of one checkpoint."""
+    """Architecture, dtypes, quant format, tensor count and bytes of one checkpoint.
+
+    A decoder's report also says which ids end generation (:func:`stop_report`).
+    """
     cfg = text_config_view(source.config)  # a VLM's language model may sit in text_config
     dtypes = Counter(str(source.info(n).dtype).replace("torch.", "") for n in source.names())
-    return {
+    report = {
         "path": str(source.path),
         "architecture": (cfg.get("architectures") or [cfg.get("model_type", "?")])[0],
         "layers": cfg.get("num_hidden_layers"),
@@ -33,10 +40,28 @@ def summarize(source: WeightSource) -> dict:
         "bytes": _fmt_bytes(source.total_bytes()),
         "dtypes": dict(dtypes),
     }
+    if report["architecture"] not in _DRAFT_ARCHITECTURES:  # a decoder: what ends generation
+        report.update(stop_report(source))
+    return report
 
 
-# Draft packagings: checked against their target (`--draft`), not as a standalone decoder.
-_DRAFT_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
+def stop_report(source: WeightSource) -> dict[str, str]:
+    """Which ids end generation (generation_config.json, else config.json, plus the
+    tokenizer's EOS, as :meth:`edgebuild.runtime.llm.LLM.eos_ids`) and the sampling defaults.
+    """
+    from edgebuild.checkpoint.generation import read_generation_defaults, tokenizer_eos
+
+    gen = read_generation_defaults(source.path, source.config)
+    out = gen.describe()
+    tok = tokenizer_eos(source.path)
+    if tok is not None:
+        name, tok_id = tok
+        ids = sorted({*gen.eos_token_ids, *([tok_id] if tok_id is not None else [])})
+        out["eos_token_ids"] += f" + tokenizer eos_token {name!r} = {tok_id}"
+        out["stop_ids"] = str(ids)
+    else:
+        out["stop_ids"] = str(sorted(gen.eos_token_ids))
+    return out
 
 
 def check_decoder(source: WeightSource) -> None:
@@ -62,7 +87,9 @@ def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
     """Report for `edgebuild inspect`; with `draft`, which draft tensors come from the target.
 
     The checkpoint (the target, with `draft`) is checked as `LlamaForCausalLM.from_source`
-    would check it (:func:`check_decoder`), so a broken checkpoint fails here, not at build.
+    would check it (:func:`check_decoder`), and a draft goes through
+    :func:`edgebuild.models.dspark.check_draft`, the validation `edgebuild run`, the server and
+    `build` run before loading it: a draft they refuse fails here with the same message.
 
     Raises:
         CheckpointError / ConfigError / PairingError: unreadable or inconsistent checkpoints,
@@ -72,15 +99,27 @@ def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
         source = WeightSource(ckpt)
         check_decoder(source)
         return summarize(source)
+    from edgebuild.checkpoint.config import ModelConfig
     from edgebuild.checkpoint.pairing import PairedSources
+    from edgebuild.models.dspark import check_draft
 
     pair = PairedSources(WeightSource(draft), WeightSource(ckpt, TARGET))
     check_decoder(pair.target)
-    pair.validate()
-    head, embed = pair.lm_head(), pair.embed_tokens()
+    target_cfg = ModelConfig.from_dict(pair.target.config, source=str(pair.target.config_path))
+    checked = check_draft(pair, target_cfg)
+    head, embed, cfg = checked.lm_head, checked.embed_tokens, checked.config
     return {
         "target": summarize(pair.target),
-        "draft": summarize(pair.draft),
+        "draft": {
+            **summarize(pair.draft),
+            "block_size": cfg.block_size,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id,
+            "markov_head": f"{cfg.markov_head_type} rank {cfg.markov_rank}"
+            if cfg.markov_rank
+            else "none",
+            "confidence_head": cfg.enable_confidence_head,
+        },
         "borrowed": {
             "lm_head": f"{head.name} from {head.checkpoint_source} ({head.format}, {head.file})",
             "embed_tokens": f"{embed.name} from {embed.checkpoint_source} ({embed.format}, {embed.file})",

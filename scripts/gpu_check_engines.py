@@ -71,7 +71,9 @@ def preconditions(args) -> str | None:
     except ImportError as exc:
         return f"tensorrt is not importable ({exc})"
     if args.plugin_library is None or not args.plugin_library.is_file():
-        return f"plugin library {args.plugin_library} not built (cmake -S plugins -B plugins/build)"
+        from edgebuild.engine.plugin_library import PLUGIN_BUILD_HINT
+
+        return f"plugin library {args.plugin_library} not built ({PLUGIN_BUILD_HINT})"
     if not (args.target / "config.json").is_file():
         return f"{args.target} missing: run `edgebuild example prepare`"
     return None
@@ -229,7 +231,7 @@ def speed(args, eng, ref_wall: float, ref_out) -> None:
 
 
 def main() -> int:
-    from edgebuild.doctor import plugin_library_path
+    from edgebuild.engine.plugin_library import plugin_library_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", type=Path, default=ROOT / "examples" / "smollm2-135m")

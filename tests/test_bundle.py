@@ -123,6 +123,9 @@ def _corrupt(kind: str, root: Path, pair: tuple[Path, Path]) -> str:
     if kind == "missing-file":
         (root / "draft" / "model.onnx").unlink()
         return r"draft/model\.onnx: missing from the bundle"
+    if kind == "unlisted-file":  # e.g. an engine copied in from another build
+        (root / "base" / "model.engine").write_bytes(b"not from this build")
+        return r"base/model\.engine: not listed in manifest\.json"
     manifest = json.loads((root / "manifest.json").read_text())
     if kind == "format-version":
         manifest["format_version"] = FORMAT_VERSION + 1
@@ -138,7 +141,7 @@ def _corrupt(kind: str, root: Path, pair: tuple[Path, Path]) -> str:
 
 
 @pytest.mark.parametrize(
-    "kind", ["changed-byte", "missing-file", "format-version", "source-changed"]
+    "kind", ["changed-byte", "missing-file", "unlisted-file", "format-version", "source-changed"]
 )
 def test_corrupt_bundles_are_refused_by_verify_and_by_the_runtime(kind, bundle, pair, tmp_path):
     copy = tmp_path / "bundle"
@@ -216,3 +219,41 @@ def test_an_existing_output_is_only_replaced_with_force(bundle, pair, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(BundleError, match="exists; pass --force"):
         build_bundle(recipe, tmp_path / "out", BuildOptions(onnx_only=True, progress=False))
+
+
+def test_a_build_removes_the_staging_folders_of_killed_builds_only(pair, tmp_path, caplog):
+    """A SIGKILLed build cannot remove its `.NAME.partial-PID`; verify reports it, the next
+    build of NAME removes it."""
+    import subprocess
+    import sys
+
+    recipe = recipe_from_flags(pair[0], None, **LIMITS)
+    out = tmp_path / "out"
+    build_bundle(recipe, out, BuildOptions(onnx_only=True, progress=False))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid no longer runs
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        leftovers = {
+            "killed": tmp_path / f".out.partial-{dead.pid}",
+            "killed-old": tmp_path / f".out.old-{dead.pid}",
+            "running": tmp_path / f".out.partial-{alive.pid}",
+            "other-output": tmp_path / f".other.partial-{dead.pid}",
+        }
+        for path in leftovers.values():
+            (path / "base").mkdir(parents=True)
+            (path / "base" / "model.onnx.data").write_bytes(b"x" * 100)
+        verified = CliRunner().invoke(main, ["verify", str(out)])
+        assert verified.exit_code == 0, verified.output
+        assert f"note: {leftovers['killed']} was left by an interrupted build" in verified.stderr
+        assert str(leftovers["running"]) not in verified.stderr
+        with caplog.at_level("WARNING", logger="edgebuild.bundle"):
+            build_bundle(recipe, out, BuildOptions(onnx_only=True, progress=False, force=True))
+        assert not leftovers["killed"].exists() and not leftovers["killed-old"].exists()
+        assert leftovers["running"].is_dir()  # a build still in progress keeps its folder
+        assert leftovers["other-output"].is_dir()  # another output's folders are not ours
+        assert str(leftovers["killed"]) in caplog.text and "interrupted build" in caplog.text
+        verify_bundle(out)
+    finally:
+        alive.kill()
+        alive.wait()

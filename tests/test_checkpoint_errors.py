@@ -10,7 +10,7 @@ copy of it) by one small mutation. For each case we check
 * that ``edgebuild inspect BAD_DIR`` exits 2 with ``error: <the same message>`` and no traceback.
 
 Draft/target pairing errors (hidden size, vocab) go through ``PairedSources.validate`` and
-``edgebuild inspect TARGET --draft DRAFT``; a vocab difference that is only padding is accepted.
+``edgebuild inspect TARGET --draft DRAFT``; a vocab difference that is only padding is refused too.
 """
 
 from __future__ import annotations
@@ -628,9 +628,13 @@ def test_draft_target_mismatch_is_refused_naming_both_files(name, tmp_path, targ
 @pytest.mark.parametrize(
     ("draft_vocab", "unigram"), [(1024, False), (992, False), (1024, True), (990, False)]
 )
-def test_padding_only_vocab_difference_is_accepted(
-    draft_vocab, unigram, tmp_path, target_dir, caplog
+def test_padding_only_vocab_difference_is_refused_naming_the_padding(
+    draft_vocab, unigram, tmp_path, target_dir
 ):
+    """Only padding, yet refused: verify compares draft and target rows over one vocabulary.
+
+    Accepting it let decoding crash later with a raw torch size mismatch (issue 16, item 11).
+    """
     target = target_dir
     if unigram:
         target = tmp_path / "target-unigram"
@@ -638,16 +642,16 @@ def test_padding_only_vocab_difference_is_accepted(
         _write_tokenizer(target, 990, unigram=True)
     draft = make_random_draft(tmp_path / "draft", target, overrides={"vocab_size": draft_vocab})
     pair = PairedSources(draft, target)
-    with caplog.at_level("INFO", logger="edgebuild.checkpoint"):
-        pair.validate()  # does not raise
-    assert "padding only" in caplog.text
-    head = pair.lm_head()
-    assert head.checkpoint_source == "target" and head.name == "lm_head.weight"
+    with pytest.raises(PairingError) as info:
+        pair.validate()
+    msg = str(info.value)
+    assert "only padding" in msg and "990 tokens" in msg, msg
+    assert str(draft / "config.json") in msg and str(target / "config.json") in msg
     result = CliRunner().invoke(main, ["inspect", str(target), "--draft", str(draft)])
-    assert result.exit_code == 0, result.output
-    assert "lm_head: lm_head.weight from target" in result.stdout
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {msg}\n"
 
-    # one token fewer than the tokenizer's real vocabulary is no longer padding
+    # one token fewer than the tokenizer's real vocabulary is not even padding
     cfg_path = draft / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["vocab_size"] = 989

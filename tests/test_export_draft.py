@@ -134,3 +134,33 @@ def test_an_rnn_markov_head_is_refused_with_the_field_named(target, tmp_path):
         export_draft(
             _pair(draft, target), ModelConfig.from_file(target), tmp_path / "out", ExportOptions()
         )
+
+
+def test_a_tied_targets_embedding_is_stored_once_in_the_draft_graph(tmp_path):
+    """Head and embedding are one tensor of a tied target: one initializer (issue 16.16)."""
+    target = make_tiny_target(tmp_path / "tied", "qwen3", tied=True)
+    draft = make_random_draft(tmp_path / "draft", target, num_layers=1, block_size=4)
+    pair = _pair(draft, target)
+    assert pair.lm_head().name == pair.embed_tokens().name == "model.embed_tokens.weight"
+    options = ExportOptions(kind=GraphKind.PORTABLE, dtype="float32", top_k=TOP_K)
+    exported = export_draft(pair, ModelConfig.from_file(target), tmp_path / "out", options)
+    model = onnx.load(str(exported.onnx_path), load_external_data=False)
+    tcfg = ModelConfig.from_file(target)
+    vd = [tcfg.vocab_size, tcfg.hidden_size]
+    inits = {i.name: list(i.dims) for i in model.graph.initializer}
+    assert [n for n, dims in inits.items() if dims == vd] == ["embed_tokens.weight"]
+    data = exported.onnx_path.with_name("model.onnx.data").stat().st_size
+    external = [i for i in model.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    stored = sum(  # each external initializer once
+        int(np.prod(i.dims)) * onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize
+        for i in external
+    )
+    assert stored <= data <= stored + 4096 * len(external)  # alignment only, no 2nd copy
+    # the shared initializer still feeds both the Gather and the head: same outputs as eager
+    graph = _eager_graph(pair, target)
+    feeds = draft_feeds(graph.config)
+    got = run_ort(exported.onnx_path, feeds)
+    with torch.no_grad():
+        ref = graph(*[t.clone() for t in feeds.values()])
+    for name, value in zip(graph.output_names(), ref, strict=True):
+        torch.testing.assert_close(torch.from_numpy(got[name]), value, atol=1e-4, rtol=0)

@@ -136,6 +136,8 @@ def host_lib() -> ctypes.CDLL:
         ctypes.c_int64,
     ]
     lib.eb_host_convert.restype = ctypes.c_int32
+    lib.eb_host_validate_attributes.argtypes = lib.eb_host_paged_attention.argtypes
+    lib.eb_host_validate_attributes.restype = ctypes.c_int32
     return lib
 
 
@@ -492,6 +494,57 @@ def test_invalid_attributes_are_refused_with_a_message(host_lib):
     status, message, _, _ = run_host(host_lib, case, inputs)
     assert status == EB_ERR_INVALID_ARGUMENT
     assert "num_q_heads (3)" in message and "num_kv_heads (2)" in message
+
+
+def _attributes_only(**overrides) -> EbAttentionParams:
+    """SmolLM2-like attributes (RoPE on) with no shape and no tensor, as createPlugin has them."""
+    values = dict(
+        struct_size=ctypes.sizeof(EbAttentionParams),
+        num_q_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rotary_dim=64,
+        page_size=32,
+        causal=1,
+        write_kv=1,
+        io_dtype=1,
+        kv_dtype=1,
+        scale=0.125,
+        rms_norm_eps=1e-5,
+        kv_scale=1.0,
+    )
+    return EbAttentionParams(**{**values, **overrides})
+
+
+def test_attribute_validation_needs_no_tensors(host_lib):
+    """Regression (issue 15): createPlugin has attributes only; RoPE must not ask for its table.
+
+    The full check (``eb_validate_params``) refuses the same struct because the tensors are NULL;
+    the attribute check (what the plugin's createPlugin runs) accepts it and still refuses
+    bad attributes, naming the field.
+    """
+    err = ctypes.create_string_buffer(256)
+    params = _attributes_only()
+    assert host_lib.eb_host_validate_attributes(ctypes.byref(params), err, len(err)) == EB_OK
+    for extra in ({"qk_norm": 1}, {"has_tree_mask": 1}, {"kv_dtype": 3}, {"rotary_dim": 0}):
+        params = _attributes_only(**extra)
+        status = host_lib.eb_host_validate_attributes(ctypes.byref(params), err, len(err))
+        assert status == EB_OK, (extra, err.value)
+    full = _attributes_only(batch=1, seq_len=1, max_position=8)
+    assert host_lib.eb_host_paged_attention(ctypes.byref(full), err, len(err)) != EB_OK
+    bad = {
+        "rotary_dim": (66, b"rotary_dim (66)"),
+        "num_kv_heads": (2, b"num_kv_heads (2)"),
+        "causal": (2, b"causal (2)"),
+        "page_size": (0, b"page_size (0)"),
+    }
+    for field_name, (value, needle) in bad.items():
+        params = _attributes_only(**{field_name: value})
+        status = host_lib.eb_host_validate_attributes(ctypes.byref(params), err, len(err))
+        assert status == EB_ERR_INVALID_ARGUMENT and needle in err.value, field_name
+    params = _attributes_only(kv_dtype=3, kv_scale=0.0)
+    assert host_lib.eb_host_validate_attributes(ctypes.byref(params), err, len(err)) != EB_OK
+    assert b"kv_scale" in err.value
 
 
 def test_bad_page_id_is_refused_before_any_write(host_lib):

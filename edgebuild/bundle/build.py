@@ -16,7 +16,8 @@ Stages, each finished before the next starts:
    after ONNX and says so (the manifest records why no engine was built).
 4. **Bundle**: configs and tokenizer files copied, ``manifest.json`` written last, then the
    temporary directory is renamed to the output. An interrupted build leaves only a
-   ``.NAME.partial-*`` directory without a manifest, which nothing accepts as a bundle.
+   ``.NAME.partial-PID`` directory without a manifest, which nothing accepts as a bundle; a
+   build killed hard cannot remove it, so the next build of that output does.
 """
 
 from __future__ import annotations
@@ -39,14 +40,23 @@ from edgebuild.bundle.manifest import (
     dumps,
     file_record,
     source_record,
+    stale_staging,
 )
 from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.quant import QuantAlgo
 from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
 from edgebuild.errors import BundleError, ConfigError, MissingDependencyError
+from edgebuild.models.dspark import read_dspark_field
 from edgebuild.models.vision import VISION_PREFIX, VisionConfig
-from edgebuild.recipe import BuildSettings, ModelRef, Precision, Recipe, SpeculativeSettings
+from edgebuild.recipe import (
+    MAX_SPECULATIVE_TOKENS,
+    BuildSettings,
+    ModelRef,
+    Precision,
+    Recipe,
+    SpeculativeSettings,
+)
 
 log = logging.getLogger("edgebuild.bundle")
 
@@ -136,7 +146,9 @@ def recipe_from_flags(
     """A :class:`Recipe` for ``edgebuild build CKPT [--draft D]`` and its flags.
 
     ``precision`` defaults to the checkpoint's (nvfp4 / fp8 when quantized, else bf16 or fp16
-    from its dtype); ``num_speculative_tokens`` to the draft's ``block_size`` (at most 16);
+    from its dtype); ``num_speculative_tokens`` to the draft's ``block_size`` (at most 16; read
+    where :class:`~edgebuild.models.dspark.DSparkConfig` reads it: top level, ``dspark_config``
+    or ``dflash_config``);
     ``draft_top_k`` to the draft's ``markov_topk`` (else 16, see
     :func:`edgebuild.runtime.speculative.default_draft_top_k`).
     ``build`` holds the other ``build:`` keys (``max_batch_size``, ``max_input_len``, ...).
@@ -159,9 +171,15 @@ def recipe_from_flags(
     spec = None
     if draft is not None:
         if num_speculative_tokens is None:
-            dcfg = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))
-            block = dcfg.get("block_size") or (dcfg.get("dflash_config") or {}).get("block_size")
-            num_speculative_tokens = min(int(block or 7), 16)
+            path = Path(draft) / "config.json"
+            try:
+                dcfg = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
+            if not isinstance(dcfg, dict):
+                raise ConfigError(f"{path}: the draft config must be a JSON object")
+            block, _ = read_dspark_field(dcfg, "block_size", int, str(path))  # as DSparkConfig
+            num_speculative_tokens = min(block, MAX_SPECULATIVE_TOKENS)
         if draft_top_k is None:
             from edgebuild.runtime.speculative import default_draft_top_k
 
@@ -185,25 +203,53 @@ def recipe_from_flags(
     return recipe.validate()
 
 
+# modules of the `export` extra (pyproject.toml) that building imports
+_EXPORT_MODULES = ("onnx", "onnxscript", "onnx_ir")
+
+
+def require_export_extra() -> None:
+    """Check that the ``export`` extra is installed before anything imports it.
+
+    Raises:
+        MissingDependencyError: naming the missing module and ``pip install 'edgebuild[export]'``.
+    """
+    import importlib
+
+    for name in _EXPORT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"building a bundle exports ONNX graphs, which needs the '{name}' module "
+                f"({exc}); install the export extra: pip install 'edgebuild[export]'"
+            ) from None
+
+
 def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
     """Stage 1: open and validate everything before any export work.
 
     Raises:
         CheckpointError / PairingError / QuantFormatError: bad or mismatched checkpoints
             (a VLM target's ``visual.*`` tensors included).
+        MissingDependencyError: the ``export`` extra is not installed.
         ConfigError: precision vs stored formats, NVFP4 / FP8 on Orin, block size, an rnn
             Markov head (no engine form), a builder that cannot take the graphs, a VLM
             target's ``build.max_image_tokens`` above ``build.max_input_len``.
     """
     from edgebuild.engine import BUILDERS, check_device_formats
+
+    require_export_extra()
     from edgebuild.export.exporter import meta_draft, meta_target
     from edgebuild.export.graphs import DraftGraph, GraphKind
 
     if options.builder not in BUILDERS:
         raise ConfigError(f"unknown engine builder {options.builder!r}; use one of {BUILDERS}")
     if options.builder == "tensorrt_rtx" and not options.portable and not options.onnx_only:
+        from edgebuild.engine.plugin_library import TENSORRT_RTX_PLUGIN_LIMIT
+
         raise ConfigError(
-            "TensorRT-RTX cannot load the edgebuild attention plugin: use --portable with it"
+            f"builder tensorrt_rtx with plugin graphs: {TENSORRT_RTX_PLUGIN_LIMIT}; "
+            "use --portable with it (or build plugin graphs with TensorRT on the Jetson)"
         )
     b = recipe.build
     target = WeightSource(recipe.resolve(recipe.target), COMPONENT)
@@ -231,8 +277,7 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         pair = PairedSources(
             WeightSource(recipe.resolve(recipe.draft), COMPONENT), WeightSource(target.path, TARGET)
         )
-        pair.validate()
-        model = meta_draft(pair, tcfg, torch.float32)
+        model = meta_draft(pair, tcfg, torch.float32)  # check_draft: pairing, config, tensors
         draft_cfg = model.config
         n = recipe.speculative.num_speculative_tokens
         if n > draft_cfg.block_size:
@@ -326,13 +371,37 @@ class _Progress:
 
 
 # ----------------------------------------------------------------------------- build
+def clean_stale_staging(out: Path) -> list[Path]:
+    """Remove ``.NAME.partial-PID`` / ``.NAME.old-PID`` folders of killed builds of ``out``.
+
+    A build stages into ``.NAME.partial-PID`` next to the output and removes it when it fails;
+    a build killed hard (SIGKILL, power loss) cannot, so the next build of the same output
+    removes the folders whose process no longer runs (:func:`stale_staging`). Folders of a
+    running build are kept.
+
+    Returns:
+        The removed folders (each also logged at WARNING).
+    """
+    removed = []
+    for path, pid in stale_staging(out):
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s, left by an interrupted build (process %s is gone)", path, pid)
+        removed.append(path)
+    return removed
+
+
 @contextmanager
 def _staging(out: Path, force: bool) -> Iterator[Path]:
-    """A temporary directory next to ``out``; renamed to ``out`` on success, removed else."""
+    """A temporary directory next to ``out``; renamed to ``out`` on success, removed else.
+
+    Staging folders that killed builds of ``out`` left behind are removed first
+    (:func:`clean_stale_staging`).
+    """
     out = Path(out).resolve()
     if out.exists() and not force:
         raise BundleError(f"{out} exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -428,7 +497,7 @@ def _engines(plan: BuildPlan, options: BuildOptions, tmp: Path, roles: dict, pro
             "status": f"not built: {options.builder} is not installed; the bundle has the ONNX "
             "graphs only (build the engines on the device)"
         }
-    from edgebuild.doctor import plugin_library_path
+    from edgebuild.engine.plugin_library import plugin_library_path
 
     library = options.plugin_library or plugin_library_path()
     n = plan.recipe.speculative.num_speculative_tokens if plan.recipe.speculative else 0

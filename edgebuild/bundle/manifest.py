@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ CHECKPOINT_FILES = (
     "pytorch_model.bin.index.json",
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+ROLES = ("base", "draft", "visual")  # the role folders of a bundle
 _CHUNK = 8 << 20
 
 
@@ -144,6 +146,28 @@ def _check_files(bundle: Path, manifest: dict) -> list[str]:
             rel = entry.get(key)
             if rel and rel not in files:
                 problems.append(f"roles.{role}.{key} = {rel!r} is not in the manifest's files")
+    problems += _unlisted_files(bundle, manifest, files)
+    return problems
+
+
+def _unlisted_files(bundle: Path, manifest: dict, files: dict) -> list[str]:
+    """Files in a role folder (``base/``, ``draft/``, ``visual/``) the manifest does not list.
+
+    Nothing writes into a bundle after its manifest, so such a file was added by hand (e.g. an
+    engine copied from another build) and would be loaded unchecked.
+    """
+    problems = []
+    for role in sorted({*ROLES, *(manifest.get("roles") or {})}):
+        folder = bundle / role
+        if not folder.is_dir():
+            continue
+        for path in sorted(p for p in folder.rglob("*") if not p.is_dir()):
+            rel = path.relative_to(bundle).as_posix()
+            if rel not in files:
+                problems.append(
+                    f"{rel}: not listed in {MANIFEST_NAME} (added after the build); remove it "
+                    "or rebuild the bundle"
+                )
     return problems
 
 
@@ -173,7 +197,8 @@ def _check_sources(manifest: dict) -> list[str]:
 
 def verify_bundle(bundle: Path, check_sources: bool = True) -> dict:
     """Re-check a bundle: manifest format and version, every file's size and sha256, the
-    roles' files, and (``check_sources``) the source checkpoints' hashes.
+    roles' files, no unlisted file in a role folder, and (``check_sources``) the source
+    checkpoints' hashes.
 
     Returns:
         The manifest.
@@ -193,6 +218,35 @@ def verify_bundle(bundle: Path, check_sources: bool = True) -> dict:
             f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
         )
     return manifest
+
+
+def _pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` runs on this machine (or exists but is not ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_staging(out: Path) -> list[tuple[Path, int]]:
+    """``(folder, pid)`` of the staging folders that killed builds of ``out`` left behind.
+
+    A build of ``NAME`` writes ``.NAME.partial-PID`` (and, while replacing, ``.NAME.old-PID``)
+    next to it; a folder whose process no longer runs on this machine is stale.
+    """
+    out = Path(out).resolve()
+    found = []
+    if not out.parent.is_dir():
+        return found
+    for kind in ("partial", "old"):
+        for path in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
+            pid = path.name.rpartition("-")[2]
+            if path.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+                found.append((path, int(pid)))
+    return found
 
 
 def is_bundle(path: Path) -> bool:

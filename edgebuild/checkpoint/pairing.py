@@ -5,7 +5,10 @@ Published DSpark / DFlash drafts (SpecForge, RadixArk) ship no `lm_head` and no
 Whether the draft "has its own head" is decided by the tensors present, never by comparing
 vocab sizes. A target with tied embeddings gives `model.embed_tokens.weight` as its head. An
 NVFP4 target head stays a :class:`QuantizedWeight` (never reinterpreted as a dense weight).
-Every resolved tensor records which checkpoint it came from.
+Every resolved tensor records which checkpoint it came from. :meth:`PairedSources.validate`
+refuses a draft whose hidden size or vocab size differs from the target's (padding included:
+verification compares the two distributions over one vocabulary) or whose own tokenizer
+differs from the target's at some id.
 """
 
 from __future__ import annotations
@@ -67,25 +70,86 @@ def _resolve(source: WeightSource, name: str) -> Resolved:
     return Resolved(value, name, source.checkpoint_source, str(source.info(name).file))
 
 
-def target_vocab_limit(target_dir: Path) -> int | None:
-    """Number of real tokens of the target tokenizer (max id + 1), or None if unknown."""
-    path = Path(target_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
+def tokenizer_file(model_dir: Path) -> Path | None:
+    """The file that holds a checkpoint's vocabulary: ``tokenizer.json``, else ``vocab.json``."""
+    for name in ("tokenizer.json", "vocab.json"):
+        if (Path(model_dir) / name).is_file():
+            return Path(model_dir) / name
+    return None
+
+
+def _read_json(path: Path) -> object:
     try:
-        tok = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+
+
+def tokenizer_tokens(model_dir: Path) -> dict[int, str] | None:
+    """{id: token} of a checkpoint's tokenizer (vocab + added tokens), or None.
+
+    From ``tokenizer.json``: BPE / WordPiece / WordLevel vocabularies are ``{token: id}``,
+    Unigram (SentencePiece) is ``[[piece, score], ...]`` in id order, plus ``added_tokens``.
+    Else from ``vocab.json`` (``{token: id}``) plus ``tokenizer_config.json``'s
+    ``added_tokens_decoder``. None when neither file is there or readable.
+    """
+    path = tokenizer_file(model_dir)
+    tok = _read_json(path) if path is not None else None
     if not isinstance(tok, dict):
         return None
+    out: dict[int, str] = {}
+    if path.name == "vocab.json":
+        out.update({i: t for t, i in tok.items() if isinstance(i, int)})
+        cfg = _read_json(Path(model_dir) / "tokenizer_config.json")
+        added = cfg.get("added_tokens_decoder") if isinstance(cfg, dict) else None
+        for i, t in (added or {}).items():
+            if str(i).isdigit() and isinstance(t, dict):
+                out[int(i)] = str(t.get("content"))
+        return out
     vocab = (tok.get("model") or {}).get("vocab") or {}
-    # BPE / WordPiece: {token: id}; Unigram (SentencePiece): [[piece, score], ...] in id order
-    ids = [i for i in vocab.values() if isinstance(i, int)] if isinstance(vocab, dict) else []
-    if isinstance(vocab, list):
-        ids.append(len(vocab) - 1)
-    ids += [t.get("id") for t in tok.get("added_tokens") or [] if isinstance(t, dict)]
-    ids = [i for i in ids if isinstance(i, int)]
-    return max(ids) + 1 if ids else None
+    if isinstance(vocab, dict):
+        out.update({i: t for t, i in vocab.items() if isinstance(i, int)})
+    elif isinstance(vocab, list):
+        out.update({i: p[0] for i, p in enumerate(vocab) if isinstance(p, list) and p})
+    for t in tok.get("added_tokens") or []:
+        if isinstance(t, dict) and isinstance(t.get("id"), int):
+            out[t["id"]] = str(t.get("content"))
+    return out
+
+
+def target_vocab_limit(target_dir: Path) -> int | None:
+    """Number of real tokens of the target tokenizer (max id + 1), or None if unknown."""
+    tokens = tokenizer_tokens(target_dir)
+    return max(tokens) + 1 if tokens else None
+
+
+def _check_tokenizers(draft_dir: Path, target_dir: Path) -> None:
+    """A draft folder's own tokenizer must equal the target's, except for padding.
+
+    Every id in both tokenizers must be the same token; an id only one of them has must lie
+    beyond the other's last id (tokens appended in the padding rows of the embedding).
+
+    Raises:
+        PairingError: naming both tokenizer files, the first differing id and both tokens.
+    """
+    dpath, tpath = tokenizer_file(draft_dir), tokenizer_file(target_dir)
+    if dpath is None:
+        return  # the draft uses the target's tokenizer (published drafts ship none)
+    draft_tokens, target_tokens = tokenizer_tokens(draft_dir), tokenizer_tokens(target_dir)
+    if draft_tokens is None or target_tokens is None:
+        unreadable = dpath if draft_tokens is None else (tpath or Path(target_dir))
+        log.warning("%s: cannot compare the draft's tokenizer with the target's", unreadable)
+        return
+    d_end, t_end = max(draft_tokens, default=-1), max(target_tokens, default=-1)
+    for i in sorted(set(draft_tokens) | set(target_tokens)):
+        d, t = draft_tokens.get(i), target_tokens.get(i)
+        if d == t or (d is None and i > d_end) or (t is None and i > t_end):
+            continue
+        raise PairingError(
+            f"the draft's tokenizer {dpath} differs from the target's {tpath} at id {i}: "
+            f"{d!r} vs {t!r}; the draft was trained with another tokenizer. Pair it with its "
+            "own target, or remove the draft's tokenizer files if they are a stale copy"
+        )
 
 
 class PairedSources:
@@ -96,8 +160,8 @@ class PairedSources:
         target: the paired target checkpoint (opened as "target").
 
     Raises:
-        PairingError: (in :meth:`validate`) hidden size or vocab mismatch, or no head
-            anywhere; messages name both config files.
+        PairingError: (in :meth:`validate`) hidden size, vocab or tokenizer mismatch, or no
+            head anywhere; messages name both files.
     """
 
     def __init__(self, draft: WeightSource | str | Path, target: WeightSource | str | Path):
@@ -149,8 +213,10 @@ class PairedSources:
     def validate(self) -> None:
         """Check that the draft fits the target before any expensive work.
 
-        Hidden sizes must be equal; vocab sizes must be equal unless the difference is only
-        padding (both >= the target tokenizer's real vocabulary).
+        Hidden sizes and vocab sizes must be equal (a vocabulary padded differently is refused
+        too: the verify step compares the draft's and the target's distributions row by row,
+        spec section 6.4); a tokenizer in the draft folder must equal the target's except for
+        padding (:func:`_check_tokenizers`); a head must exist.
 
         Raises:
             PairingError: naming both config files and the fix.
@@ -167,19 +233,22 @@ class PairedSources:
         if d_vocab != t_vocab:
             real = target_vocab_limit(self.target.path)
             sizes_known = isinstance(d_vocab, int) and isinstance(t_vocab, int)
-            if real is None or not sizes_known or min(d_vocab, t_vocab) < real:
-                raise PairingError(
-                    f"draft vocab_size {d_vocab} ({dpath}) != target vocab_size {t_vocab} "
-                    f"({tpath}) and the difference is not padding (target tokenizer has "
-                    f"{real if real is not None else 'an unknown number of'} tokens); "
-                    "the draft must use the target's tokenizer"
-                )
-            log.info(
-                "draft vocab %s vs target vocab %s: padding only (tokenizer has %s tokens)",
-                d_vocab,
-                t_vocab,
-                real,
+            padding = real is not None and sizes_known and min(d_vocab, t_vocab) >= real
+            why = (
+                f"the difference is only padding (the target tokenizer has {real} tokens), but "
+                "draft tokens are verified against the target's logits over the whole "
+                f"vocabulary; pad or cut the draft's vocabulary-sized tensors to {t_vocab} rows "
+                f"and set vocab_size {t_vocab}"
+                if padding
+                else "the difference is not padding (target tokenizer has "
+                f"{real if real is not None else 'an unknown number of'} tokens); the draft "
+                "must use the target's tokenizer"
             )
+            raise PairingError(
+                f"draft vocab_size {d_vocab} ({dpath}) != target vocab_size {t_vocab} "
+                f"({tpath}): {why}"
+            )
+        _check_tokenizers(self.draft.path, self.target.path)
         self.lm_head()  # raises PairingError when no head can be found
 
     def provenance(self) -> dict[str, str]:

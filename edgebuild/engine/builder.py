@@ -7,8 +7,13 @@ TensorRT is imported lazily (:func:`load_tensorrt`). Two builders are known:
   against the recipe's device (Thor = sm_110, Orin = sm_87).
 * ``tensorrt_rtx`` - TensorRT for RTX (``pip install tensorrt-rtx-cu13``): its parser and
   builder run on a CPU-only machine, so the tests use it as a real parser/builder of the
-  *portable* graphs (standard ops only: it cannot load our plugin). Its engines target RTX
+  *portable* graphs (standard ops only). It loads our plugin library and its ONNX parser
+  creates the plugin (the tests check the library, the creator and the attribute mapping with
+  it), but it cannot add plugin layers to a network, so it builds no plugin graph
+  (:data:`~edgebuild.engine.plugin_library.TENSORRT_RTX_PLUGIN_LIMIT`). Its engines target RTX
   GPUs, not Jetson.
+
+The plugin library's path and build command belong to :mod:`edgebuild.engine.plugin_library`.
 
 Networks are strongly typed (the ONNX graph's dtypes are the engine's dtypes; NVFP4 / FP8
 weights come as DequantizeLinear chains). Optimization profiles come from the recipe's
@@ -280,14 +285,19 @@ def _parse(trt, network, logger, onnx_path: Path) -> None:
 def _load_plugin(trt, builder, library: Path | None, needs_plugin: bool, name: str) -> None:
     if not needs_plugin:
         return
+    from edgebuild.engine.plugin_library import build_instructions
+
     if library is None or not Path(library).is_file():
+        looked = library or "not found"
         raise MissingDependencyError(
-            f"the graph has {name} plugin nodes but the plugin library "
-            f"{library or '(not found)'} is missing: build it with "
-            "`cmake -S plugins -B build/plugins -DTENSORRT_ROOT=... && cmake --build "
-            "build/plugins` and pass --plugin-library (or set EDGEBUILD_PLUGIN_LIB)"
+            f"the graph has {name} plugin nodes but the plugin library ({looked}) is "
+            f"missing; {build_instructions()}"
         )
-    builder.get_plugin_registry().load_library(str(library))
+    if builder.get_plugin_registry().load_library(str(library)) is None:
+        raise MissingDependencyError(
+            f"{library}: TensorRT could not load the plugin library (see its log); "
+            + build_instructions()
+        )
 
 
 def build_engine(
@@ -321,17 +331,21 @@ def build_engine(
         visual: the vision tower's geometry (required for the ``visual`` role).
 
     Raises:
-        MissingDependencyError: no TensorRT, or a plugin graph without the library.
-        ConfigError: a plugin graph given to TensorRT-RTX, or the wrong local GPU.
+        MissingDependencyError: no TensorRT, or a plugin graph without the library (or one
+            TensorRT cannot load).
+        ConfigError: a plugin graph given to TensorRT-RTX (it creates the plugin but cannot
+            add plugin layers to a network), or the wrong local GPU.
         EngineError: TensorRT's parser or builder failed (its messages included).
     """
+    from edgebuild.engine.plugin_library import TENSORRT_RTX_PLUGIN_LIMIT
     from edgebuild.export.plugin import contract
 
     trt = load_tensorrt(builder)
     if needs_plugin and builder != "tensorrt":
         raise ConfigError(
-            f"{onnx_path}: TensorRT-RTX cannot load the {contract().name} plugin; build plugin "
-            "graphs with TensorRT on the Jetson, or export portable graphs (--portable)"
+            f"{onnx_path}: this graph has {contract().name} plugin nodes and "
+            f"{TENSORRT_RTX_PLUGIN_LIMIT}; build plugin graphs with TensorRT on the Jetson, or "
+            "export portable graphs (--portable) for TensorRT-RTX"
         )
     check_local_device(build.device, builder)
     logger = trt.Logger(trt.Logger.WARNING)

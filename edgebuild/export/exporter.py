@@ -36,7 +36,7 @@ import torch
 from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.source import WeightSource
-from edgebuild.errors import CheckpointError, ConfigError
+from edgebuild.errors import ConfigError
 from edgebuild.export.graphs import BaseGraph, DraftGraph, GraphKind, TensorSpec
 from edgebuild.export.weights import (
     ExternalDataWriter,
@@ -367,34 +367,15 @@ def export_base(
 
 
 def meta_draft(pair: PairedSources, target_cfg: ModelConfig, dtype: torch.dtype):
-    """The DSpark draft on the meta device; config parsed and validated against the target.
+    """The DSpark draft on the meta device, validated by :func:`~edgebuild.models.dspark.check_draft`.
 
     Raises:
-        ConfigError / PairingError: from :class:`DSparkConfig` (taps, mask id, heads, fc width).
-        CheckpointError: a missing or mis-shaped draft tensor.
+        ConfigError / PairingError / CheckpointError: from ``check_draft`` (pairing, taps, mask
+            id, heads, fc width, missing or mis-shaped tensors).
     """
-    from edgebuild.models.dspark import DSparkConfig, DSparkDraft, canonical_name, expected_shapes
+    from edgebuild.models.dspark import DSparkDraft, check_draft
 
-    source = pair.draft
-    cfg = DSparkConfig.from_dict(source.config, target_cfg, str(source.config_path))
-    shapes = {}
-    for name in source.names():
-        info = source.info(name)
-        prefix = name.rpartition(".")[0]
-        packed = info.dtype == torch.uint8 and f"{prefix}.weight_scale" in source
-        shapes[canonical_name(name)] = (
-            (info.shape[0], info.shape[1] * 2) if packed else tuple(info.shape)
-        )
-    cfg = cfg.with_tensor_geometry(shapes)
-    fc = shapes.get("fc.weight", ())
-    cfg.validate(target_cfg, fc_in_features=fc[1] if len(fc) == 2 else None)
-    for name, shape in expected_shapes(cfg).items():
-        if shapes.get(name) != shape:
-            raise CheckpointError(
-                f"{source.path}: draft tensor '{name}' is "
-                f"{list(shapes[name]) if name in shapes else 'missing'}, expected {list(shape)} "
-                f"for {cfg.source}"
-            )
+    cfg = check_draft(pair, target_cfg).config  # the loader's and inspect's checks
     with torch.device("meta"):
         model = DSparkDraft(cfg).to(dtype)
     return model.eval()
@@ -410,7 +391,9 @@ def export_draft(
     """Export the DSpark draft of ``pair`` as the ``draft`` graph.
 
     The borrowed ``lm_head`` / ``embed_tokens`` are recorded with ``checkpoint_source``
-    ``"target"`` in ``edgebuild.weight_sources`` and ``edgebuild.lm_head_source``.
+    ``"target"`` in ``edgebuild.weight_sources`` and ``edgebuild.lm_head_source``. When both
+    resolve to the same tensor (a tied target), the graph holds it once, as
+    ``embed_tokens.weight``.
 
     Raises:
         ConfigError / PairingError / CheckpointError: see :func:`meta_draft`; an rnn head.
@@ -432,7 +415,15 @@ def export_draft(
         "edgebuild.dspark": json.dumps(dspark_fields(cfg), sort_keys=True),
     }
     sources = [pair.draft, pair.target]
-    return export_graph(graph, entries, out_dir, sources, meta, options.weights, on_tensor)
+    # a tied target gives one tensor as both head and embedding: store it once, as the base
+    # graph does (the Gather and the head's MatMul read the same initializer)
+    same = (head.checkpoint_source, head.file, head.name) == (
+        embed.checkpoint_source,
+        embed.file,
+        embed.name,
+    )
+    aliases = {"lm_head.weight": "embed_tokens.weight"} if same else {}
+    return export_graph(graph, entries, out_dir, sources, meta, options.weights, on_tensor, aliases)
 
 
 def dspark_fields(cfg) -> dict:

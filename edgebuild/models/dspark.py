@@ -13,7 +13,11 @@ This module owns:
 
 * :class:`DSparkConfig`: both packagings (DeepSpec ``Qwen3DSparkModel``, SpecForge / RadixArk
   ``DSparkDraftModel``), parsed from the top level, ``dflash_config`` and ``dspark_config``
-  (spec §1.1, §6.1), and ``validate()`` against the target (spec §1.5, §6.3-§6.8).
+  (spec §1.1, §6.1; :func:`read_dspark_field` is the one reader, also used for the runtime's
+  and the build's defaults), and ``validate()`` against the target (spec §1.5, §6.3-§6.8).
+  Fields with values edgebuild does not implement are refused by name (:func:`_check_layout`).
+* :func:`check_draft`: the one validation of a draft against its target (config, tensors,
+  resolved head / embedding) that run, serve, build and ``inspect --draft`` share.
 * :class:`DSparkDraft`: parameter names are the checkpoint names without a ``model.`` prefix
   (spec §1.2); :func:`canonical_name` is the one place that maps other spellings
   (``model.`` prefix, legacy ``logit_head.`` nesting) onto them.
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgebuild.checkpoint.config import ModelConfig
+from edgebuild.checkpoint.pairing import PairedSources, Resolved
 from edgebuild.checkpoint.quant import QuantizedWeight, is_quant_aux_tensor
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError, ConfigError, PairingError
@@ -48,11 +53,13 @@ from edgebuild.models.common import (
     dense,
     layer_linear_shapes,
 )
+from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
 
 log = logging.getLogger("edgebuild.models")
 
 __all__ = [
+    "CheckedDraft",
     "DSparkConfidenceHead",
     "DSparkConfig",
     "DSparkDraft",
@@ -60,8 +67,10 @@ __all__ = [
     "DSparkPackaging",
     "MarkovHeadType",
     "canonical_name",
+    "check_draft",
     "default_target_layer_ids",
     "expected_shapes",
+    "read_dspark_field",
 ]
 
 
@@ -115,10 +124,14 @@ def _typed(value: Any, kind: type, where: str, source: str) -> Any:
     return value
 
 
-def _dspark_field(
+def read_dspark_field(
     cfg: Mapping, key: str, kind: type, source: str, default: Any = _MISSING
 ) -> tuple[Any, str]:
     """A DSpark key read from ``dspark_config``, ``dflash_config`` and the top level.
+
+    The one reader of draft config fields: :class:`DSparkConfig`, the runtime's
+    ``draft_top_k`` default and the build flags' ``num_speculative_tokens`` default all use it,
+    so a field means the same wherever it is written (spec §1.1, §6.1).
 
     Returns ``(value, where)`` with ``where`` the field path (for messages) or "default".
 
@@ -224,6 +237,102 @@ def _draft_rope(cfg: Mapping, target: ModelConfig, source: str) -> RopeScaling:
     return rope
 
 
+# Every key a ``dspark_config`` / ``dflash_config`` section may hold: parsed by DSparkConfig,
+# checked (:func:`_check_layout`, :meth:`DSparkConfig.validate`) or inert. Any other key is
+# refused by name.
+_PARSED_KEYS = frozenset(
+    {
+        "block_size",
+        "mask_token_id",
+        "target_layer_ids",
+        "num_target_layers",
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+        "attention_mode",
+        "projector_type",
+        "markov_topk",  # the runtime's draft_top_k default (edgebuild.runtime.speculative)
+    }
+)
+# Keys that do not change inference: training settings (loss weight, anchors sampled per
+# sequence) and TensorRT-Edge-LLM's sidecar file names (edgebuild reads the heads' tensors
+# from the checkpoint; missing tensors are refused by the tensor check).
+_INERT_KEYS = frozenset({"confidence_head_alpha", "num_anchors", "heads_file", "heads_info_file"})
+# Layout flags (vLLM / DFlash spellings) -> the one value edgebuild implements. DSpark rows are
+# all-predicting (row 0, the anchor, predicts s+1; spec §3), attention is non-causal over the
+# whole context and block, RoPE is the half-split (neox) form (spec §7), no sliding window.
+_IMPLEMENTED_FLAGS: dict[str, Any] = {
+    "sample_from_anchor": True,
+    "query_zero_predicts_next": True,
+    "causal": False,
+    "is_causal": False,
+    "use_swa": False,
+    "is_neox_style": True,
+}
+_SECTION_KEYS = (
+    _PARSED_KEYS
+    | _INERT_KEYS
+    | set(_IMPLEMENTED_FLAGS)
+    | {"draft_vocab_size", "base_model_hidden_size", "swa_window_size", "attention_sink_bias"}
+)
+
+
+def _check_layout(cfg: Mapping, source: str, num_layers: int, vocab_size: int) -> None:
+    """Refuse, by name, every config field whose value edgebuild does not implement.
+
+    * unknown keys inside ``dspark_config`` / ``dflash_config``;
+    * layout flags (``sample_from_anchor``, ``query_zero_predicts_next``, ``causal``,
+      ``is_causal``, ``use_swa``, ``is_neox_style``) with another value than the implemented
+      one (so contradictory combinations are refused too);
+    * ``draft_vocab_size`` != ``vocab_size`` (a reduced draft vocabulary needs a ``d2t`` map,
+      which is not implemented), ``attention_sink_bias``;
+    * Qwen3's ``use_sliding_window: true`` with a ``sliding_window`` and no ``layer_types``,
+      unless ``max_window_layers`` >= the layer count (HF: those layers are full attention).
+
+    Raises:
+        ConfigError: naming the file, the field and the fix.
+    """
+    for section in _SECTIONS:
+        sub = cfg.get(section)
+        unknown = sorted(set(sub) - _SECTION_KEYS) if isinstance(sub, dict) else []
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown DSpark field(s) {[f'{section}.{k}' for k in unknown]}; "
+                f"edgebuild does not implement them (known: {', '.join(sorted(_SECTION_KEYS))}); "
+                "remove them if they do not change the model"
+            )
+    for key, implemented in _IMPLEMENTED_FLAGS.items():
+        value, where = read_dspark_field(cfg, key, bool, source, implemented)
+        if value != implemented:
+            raise ConfigError(
+                f"{source}: field '{where}' = {value!r} is not implemented; edgebuild runs "
+                f"DSpark drafts with {key} = {implemented!r} (all-predicting rows, row 0 "
+                "predicts the token after the anchor; non-causal, full attention; half-split "
+                "RoPE). Use a draft trained that way or remove the field"
+            )
+    draft_vocab, where = read_dspark_field(cfg, "draft_vocab_size", int, source, None)
+    if draft_vocab is not None and draft_vocab != vocab_size:
+        raise ConfigError(
+            f"{source}: field '{where}' = {draft_vocab} differs from vocab_size {vocab_size}; a "
+            "reduced draft vocabulary (with a 'd2t' map) is not implemented. Use a draft over "
+            "the target's full vocabulary"
+        )
+    sink, where = read_dspark_field(cfg, "attention_sink_bias", object, source, None)
+    if sink not in (None, False):
+        raise ConfigError(f"{source}: field '{where}' (attention sinks) is not implemented")
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is True and window is not None and not cfg.get("layer_types"):
+        full_layers = cfg.get("max_window_layers")
+        if not (isinstance(full_layers, int) and full_layers >= num_layers):
+            raise ConfigError(
+                f"{source}: fields 'use_sliding_window' = true and 'sliding_window' = {window!r} "
+                f"ask for sliding-window attention (max_window_layers {full_layers!r}, "
+                f"{num_layers} layers); DSpark drafts use full attention in every layer. Set "
+                "'use_sliding_window' to false"
+            )
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
     """A DSpark draft's config (HF key names), parsed by :meth:`from_dict`.
@@ -313,8 +422,8 @@ class DSparkConfig:
 
         Raises:
             ConfigError: unknown architecture (lists the supported ones), a ``projector_type``
-                other than "dspark", missing / mistyped fields, bad rope, or any
-                :meth:`validate` error.
+                other than "dspark", missing / mistyped fields, a field whose value is not
+                implemented (:func:`_check_layout`), bad rope, or any :meth:`validate` error.
             PairingError: from :meth:`validate`.
         """
         arch = (draft_cfg.get("architectures") or [None])[0]
@@ -326,7 +435,7 @@ class DSparkConfig:
                 f"{source}: architectures[0] is {arch!r}, not a DSpark draft; supported: "
                 f"{supported}"
             ) from None
-        projector, _ = _dspark_field(draft_cfg, "projector_type", str, source, "dspark")
+        projector, _ = read_dspark_field(draft_cfg, "projector_type", str, source, "dspark")
         if projector != "dspark":
             raise ConfigError(
                 f"{source}: projector_type is {projector!r}; a DSpark draft has 'dspark' "
@@ -338,7 +447,7 @@ class DSparkConfig:
         fields_from: dict[str, str] = {}
 
         def dspark(key: str, kind: type, default: Any = _MISSING) -> Any:
-            value, where = _dspark_field(draft_cfg, key, kind, source, default)
+            value, where = read_dspark_field(draft_cfg, key, kind, source, default)
             fields_from[key] = where
             return value
 
@@ -351,6 +460,8 @@ class DSparkConfig:
         # read only when the head is on: DeepSpec ignores it otherwise
         with_markov = dspark("confidence_head_with_markov", bool, rank > 0) if confidence else False
         layer_types = draft_cfg.get("layer_types") or ()
+        vocab = _top(draft_cfg, "vocab_size", int, source)
+        _check_layout(draft_cfg, source, layers, vocab)
         config = cls(
             packaging=packaging,
             block_size=dspark("block_size", int),
@@ -369,7 +480,7 @@ class DSparkConfig:
             head_dim=_top(draft_cfg, "head_dim", int, source, hidden // max(heads, 1)),
             rms_norm_eps=_top(draft_cfg, "rms_norm_eps", float, source, 1e-6),
             attention_bias=_top(draft_cfg, "attention_bias", bool, source, False),
-            vocab_size=_top(draft_cfg, "vocab_size", int, source),
+            vocab_size=vocab,
             rope=_draft_rope(draft_cfg, target, source),
             attention_mode=dspark("attention_mode", str, None),
             layer_types=tuple(layer_types),
@@ -440,6 +551,12 @@ class DSparkConfig:
                 f"{s}: draft hidden_size {self.hidden_size} != target hidden_size "
                 f"{target.hidden_size} ({target.source}); the draft was trained for another "
                 "target - pair it with its own target"
+            )
+        declared, where = read_dspark_field(self.raw, "base_model_hidden_size", int, s, None)
+        if declared is not None and declared != self.fc_in_features:
+            raise ConfigError(
+                f"{s}: field '{where}' = {declared} != len(target_layer_ids) * hidden_size = "
+                f"{self.num_taps} * {self.hidden_size} = {self.fc_in_features}; fix one of them"
             )
         if fc_in_features is not None and fc_in_features != self.fc_in_features:
             raise PairingError(
@@ -660,6 +777,15 @@ class DSparkAttention(nn.Module):
         self.o_proj = nn.Linear(hq * hd, d, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.packed_qkv: PackedLinear | None = None  # set by pack_for_cpu
+        self.packed_kv: PackedLinear | None = None
+        self.packed_o: PackedLinear | None = None
+
+    def pack_for_cpu(self, quant: str | None = None) -> None:
+        """Packed q/k/v, k/v (context rows) and o_proj for eager CPU inference."""
+        self.packed_qkv = PackedLinear([self.q_proj, self.k_proj, self.v_proj], quant)
+        self.packed_kv = PackedLinear([self.k_proj, self.v_proj], quant)
+        self.packed_o = PackedLinear([self.o_proj], quant)
 
     def _attend(self, qkv, kv_cache, batch, rope_table, *, causal, write_kv, q_norm, want=True):
         cfg = self.cfg
@@ -689,7 +815,10 @@ class DSparkAttention(nn.Module):
     ) -> None:
         """Store K = rope(k_norm(k_proj(C))) and V = v_proj(C) of the context rows."""
         q = context.new_zeros(*context.shape[:2], self.q_proj.out_features)  # queries unused
-        qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
+        if use_packed(self.packed_kv):
+            qkv = torch.cat([q, self.packed_kv(context)], dim=-1)
+        else:
+            qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
         self._attend(
             qkv, kv_cache, batch, rope_table, causal=True, write_kv=True, q_norm=None, want=False
         )
@@ -702,7 +831,10 @@ class DSparkAttention(nn.Module):
         rope_table: torch.Tensor,  # fp32 [max_position, head_dim]
     ) -> torch.Tensor:  # [B, Bs, d]
         """Block rows attend to all cached context rows and all block rows (non-causal)."""
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if use_packed(self.packed_qkv):
+            qkv = self.packed_qkv(x)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         out = self._attend(
             qkv,
             kv_cache,
@@ -712,7 +844,7 @@ class DSparkAttention(nn.Module):
             write_kv=False,
             q_norm=self.q_norm.weight,
         )
-        return self.o_proj(out)
+        return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
 
 
 class DSparkMLP(nn.Module):
@@ -724,8 +856,18 @@ class DSparkMLP(nn.Module):
         self.gate_proj = nn.Linear(d, i, bias=False)
         self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
+        self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
+        self.packed_down: PackedLinear | None = None
+
+    def pack_for_cpu(self, quant: str | None = None) -> None:
+        """Fused gate/up and down_proj packed for eager CPU inference."""
+        self.packed_gate_up = PackedLinear([self.gate_proj, self.up_proj], quant)
+        self.packed_down = PackedLinear([self.down_proj], quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_packed(self.packed_gate_up):
+            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
+            return self.packed_down(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -778,6 +920,19 @@ class DSparkDraft(nn.Module):
             DSparkConfidenceHead(cfg.confidence_in_features) if cfg.enable_confidence_head else None
         )
         self._rope_table = torch.empty(0, 0)
+        self.packed_lm_head: PackedLinear | None = None  # set by pack_for_cpu
+
+    def pack_for_cpu(self, quant: str | None = None) -> DSparkDraft:
+        """Pack the layers' linears and ``lm_head`` once for the eager CPU runtime.
+
+        As :meth:`edgebuild.models.llama.LlamaForCausalLM.pack_for_cpu`: names and
+        ``state_dict`` unchanged, eager forwards only, one extra copy in memory. Returns self.
+        """
+        for layer in self.layers:
+            layer.self_attn.pack_for_cpu(quant)
+            layer.mlp.pack_for_cpu(quant)
+        self.packed_lm_head = PackedLinear([self.lm_head], quant)
+        return self
 
     # ------------------------------------------------------------------ running
     def rope_table(self, max_position: int) -> torch.Tensor:
@@ -860,7 +1015,54 @@ class DSparkDraft(nn.Module):
     @torch.no_grad()
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """``lm_head(h)``: ``[B, Bs, d]`` -> fp32 ``[B, Bs, V]`` (before the Markov bias)."""
-        return self.lm_head(h).float()
+        head = self.packed_lm_head
+        return (head(h) if use_packed(head) else self.lm_head(h)).float()
+
+    @torch.no_grad()
+    def lattice(
+        self, h: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The top-k candidate lattice of a block (spec §3 "Top-k pruning").
+
+        Args:
+            h: ``[B, n, d]`` post-norm hidden of the block rows to draft.
+            base: fp32 ``[B, n, V]`` their base logits (:meth:`base_logits`).
+            anchors: int ``[B]`` the anchor token of each block.
+            top_k: K candidates per row (1..V).
+
+        Returns:
+            ``cand`` int64 ``[B, n, K]``; ``scores`` fp32 ``[B, n, K(i), K(j)]`` =
+            ``base[cand_l_j] + bias(prev = cand_{l-1, i}, h_l)[cand_l_j]`` (slot 0: prev = the
+            anchor for every i); ``confidence`` fp32 ``[B, n, K(i)]`` or None without a
+            confidence head. Walked by :func:`edgebuild.runtime.markov_walk.walk_lattice`.
+
+        Raises:
+            ConfigError: an ``rnn`` Markov head (its state depends on the path: no lattice).
+        """
+        if self.markov_head is not None and self.markov_head.head_type is MarkovHeadType.RNN:
+            raise ConfigError(
+                f"{self.config.source}: an rnn Markov head has no top-k lattice (its state "
+                "depends on the path taken); walk it token by token"
+            )
+        top, cand = base.topk(top_k, dim=-1)  # [B, n, K]
+        prev = torch.cat([anchors.long().view(-1, 1, 1).expand(-1, 1, top_k), cand[:, :-1]], 1)
+        prev = prev[:, : cand.shape[1]]  # [B, n, K(i)]: the token before slot l
+        scores = top.unsqueeze(2).expand(-1, -1, top_k, -1)  # [B, n, K(i), K(j)]
+        h_rows = None
+        if self.markov_head is not None:
+            h_rows = h.unsqueeze(2).expand(-1, -1, top_k, -1)  # [B, n, K(i), d]
+            u, _ = self.markov_head.latent(prev, h_rows, None)  # [B, n, K(i), r]
+            w2 = self.markov_head.markov_w2.weight[cand].float()  # [B, n, K(j), r]
+            scores = scores + torch.matmul(u, w2.transpose(-1, -2))
+        conf = None
+        if self.confidence_head is not None:
+            if self.config.confidence_head_with_markov:
+                if h_rows is None:
+                    h_rows = h.unsqueeze(2).expand(-1, -1, top_k, -1)
+                conf = self.confidence(h_rows, prev)  # [B, n, K(i)]
+            else:
+                conf = self.confidence(h, prev[..., 0]).unsqueeze(-1).expand(-1, -1, top_k)
+        return cand, scores.contiguous(), conf
 
     @torch.no_grad()
     def confidence(self, h_k: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
@@ -914,16 +1116,13 @@ class DSparkDraft(nn.Module):
                 names that map to the same parameter; messages name the file and tensor.
             PairingError: ``lm_head`` / ``embed_tokens`` whose shape does not fit the draft.
         """
-        cfg = DSparkConfig.from_dict(source.config, target_config, str(source.config_path))
-        names = _canonical_names(source)
-        shapes = {canon: _logical_shape(source, orig) for canon, orig in names.items()}
-        cfg = cfg.with_tensor_geometry(shapes)
-        fc_shape = shapes.get("fc.weight", ())
-        cfg.validate(target_config, fc_in_features=fc_shape[1] if len(fc_shape) == 2 else None)
+        cfg, names = _checked_config(
+            source,
+            target_config,
+            (tuple(lm_head.shape), lm_head_origin),
+            (tuple(embed_tokens.shape), embed_origin),
+        )
         expected = expected_shapes(cfg)
-        _check_tensors(source, cfg, names, shapes, expected)
-        _check_resolved(cfg, lm_head, lm_head_origin, "lm_head")
-        _check_resolved(cfg, embed_tokens, embed_origin, "embed_tokens")
         with torch.device("meta"):
             model = cls(cfg)
         model = model.to_empty(device="cpu").to(dtype)
@@ -936,6 +1135,69 @@ class DSparkDraft(nn.Module):
         model._rope_table = torch.empty(0, 0)
         model.eval()
         return model
+
+
+# ---------------------------------------------------------------------------- validation
+def _checked_config(
+    source: WeightSource,
+    target_config: ModelConfig,
+    lm_head: tuple[tuple[int, ...], str],
+    embed_tokens: tuple[tuple[int, ...], str],
+) -> tuple[DSparkConfig, dict[str, str]]:
+    """Config, tensor names, shapes and the resolved ``[V, d]`` tensors, checked (headers only).
+
+    ``lm_head`` / ``embed_tokens``: (logical shape, origin for messages) of the resolved tensors.
+    Returns the config with the tensor-derived geometry and {canonical name: stored name}.
+    """
+    cfg = DSparkConfig.from_dict(source.config, target_config, str(source.config_path))
+    names = _canonical_names(source)
+    shapes = {canon: _logical_shape(source, orig) for canon, orig in names.items()}
+    cfg = cfg.with_tensor_geometry(shapes)
+    fc_shape = shapes.get("fc.weight", ())
+    cfg.validate(target_config, fc_in_features=fc_shape[1] if len(fc_shape) == 2 else None)
+    _check_tensors(source, cfg, names, shapes, expected_shapes(cfg))
+    _check_resolved(cfg, lm_head[0], lm_head[1], "lm_head")
+    _check_resolved(cfg, embed_tokens[0], embed_tokens[1], "embed_tokens")
+    return cfg, names
+
+
+@dataclass(frozen=True)
+class CheckedDraft:
+    """A draft validated against its target by :func:`check_draft`.
+
+    Attributes:
+        config: the draft's config, geometry from its tensor shapes.
+        lm_head, embed_tokens: the resolved head / embedding (the draft's own or the target's).
+    """
+
+    config: DSparkConfig
+    lm_head: Resolved
+    embed_tokens: Resolved
+
+
+def check_draft(pair: PairedSources, target_config: ModelConfig) -> CheckedDraft:
+    """The one validation of a DSpark draft against its target, before any weight is loaded.
+
+    `edgebuild run`, the server, `edgebuild build` and `edgebuild inspect --draft` all call
+    this, and :meth:`DSparkDraft.from_source` runs the same checks: pairing (hidden size,
+    vocab, tokenizer, head; :meth:`PairedSources.validate`), the config (:class:`DSparkConfig`:
+    taps, mask id, heads, block size, unimplemented fields), every tensor name and shape
+    (``fc`` width, norms, Markov and confidence heads) and the resolved ``lm_head`` /
+    ``embed_tokens`` shapes. Only safetensors headers and the resolved head / embedding are read.
+
+    Raises:
+        ConfigError / PairingError / CheckpointError / QuantFormatError: naming the file and
+            the field or tensor.
+    """
+    pair.validate()
+    head, embed = pair.lm_head(), pair.embed_tokens()
+    cfg, _ = _checked_config(
+        pair.draft,
+        target_config,
+        (head.shape, f"{head.file}: {head.name}"),
+        (embed.shape, f"{embed.file}: {embed.name}"),
+    )
+    return CheckedDraft(cfg, head, embed)
 
 
 # ---------------------------------------------------------------------------- names and shapes
@@ -1083,14 +1345,8 @@ def _check_tensors(
             )
 
 
-def _check_resolved(
-    cfg: DSparkConfig,
-    value: torch.Tensor | QuantizedWeight,
-    origin: str,
-    role: str,
-) -> None:
+def _check_resolved(cfg: DSparkConfig, shape: tuple[int, ...], origin: str, role: str) -> None:
     """The resolved head / embedding must be ``[V, d]`` of the draft (PairingError otherwise)."""
-    shape = tuple(value.shape)
     want = (cfg.vocab_size, cfg.hidden_size)
     if shape != want:
         raise PairingError(

@@ -29,6 +29,7 @@ from edgebuild.models.common import (
     layer_linear_shapes,
 )
 from edgebuild.models.vision import VISION_PREFIX
+from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.mrope import mrope_cos_sin_rows
 from edgebuild.ops.rope import rope_cos_sin_table
 
@@ -56,6 +57,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.window = cfg.window_for_layer(layer_idx)
         self.rotary_dim = int(hd * cfg.rope.partial_rotary_factor)
+        self.packed_qkv: PackedLinear | None = None  # set by LlamaForCausalLM.pack_for_cpu
+        self.packed_o: PackedLinear | None = None
 
     def forward(
         self,
@@ -65,7 +68,10 @@ class LlamaAttention(nn.Module):
         rope_table: torch.Tensor,  # fp32 [max_position, rotary_dim]
     ) -> torch.Tensor:  # [B, S, d]
         cfg = self.cfg
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if use_packed(self.packed_qkv):
+            qkv = self.packed_qkv(x)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         out = attention(
             qkv,
             kv_cache,
@@ -82,7 +88,12 @@ class LlamaAttention(nn.Module):
             scale=cfg.head_dim**-0.5,
             rms_norm_eps=cfg.rms_norm_eps,
         )
-        return self.o_proj(out)
+        return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
+
+    def pack_for_cpu(self, quant: str | None = None) -> None:
+        """Fuse q/k/v and pack q/k/v and o_proj for eager CPU inference (ops/linear.py)."""
+        self.packed_qkv = PackedLinear([self.q_proj, self.k_proj, self.v_proj], quant)
+        self.packed_o = PackedLinear([self.o_proj], quant)
 
 
 class LlamaMLP(nn.Module):
@@ -94,9 +105,19 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(d, i, bias=b)
         self.up_proj = nn.Linear(d, i, bias=b)
         self.down_proj = nn.Linear(i, d, bias=b)
+        self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
+        self.packed_down: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_packed(self.packed_gate_up):
+            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
+            return self.packed_down(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def pack_for_cpu(self, quant: str | None = None) -> None:
+        """Fuse gate/up and pack them and down_proj for eager CPU inference."""
+        self.packed_gate_up = PackedLinear([self.gate_proj, self.up_proj], quant)
+        self.packed_down = PackedLinear([self.down_proj], quant)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -137,6 +158,21 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope_table = torch.empty(0, 0)
+        self.packed_lm_head: PackedLinear | None = None  # set by pack_for_cpu
+
+    def pack_for_cpu(self, quant: str | None = None) -> LlamaForCausalLM:
+        """Pack every linear once for the eager CPU runtime (fused q/k/v and gate/up).
+
+        The modules and ``state_dict`` keep the checkpoint's names and tensors; the packed
+        copies (ops/linear.py) are used by eager forwards only, never under export. Costs one
+        extra copy of the linear weights in memory. ``quant="int8"``: weight-only int8
+        (:class:`edgebuild.ops.linear.PackedLinear`), opt-in. Returns self.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.pack_for_cpu(quant)
+            layer.mlp.pack_for_cpu(quant)
+        self.packed_lm_head = PackedLinear([self.lm_head], quant)
+        return self
 
     # ------------------------------------------------------------------ running
     def rope_table(self, max_position: int) -> torch.Tensor:
@@ -189,7 +225,9 @@ class LlamaForCausalLM(nn.Module):
         if logits_rows is not None:
             idx = logits_rows.unsqueeze(-1).expand(-1, -1, x.shape[-1])
             x = torch.gather(x, 1, idx)
-        logits = self.lm_head(self.model.norm(x)).float()
+        h = self.model.norm(x)
+        head = self.packed_lm_head
+        logits = (head(h) if use_packed(head) else self.lm_head(h)).float()
         tap = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         return logits, tap
 

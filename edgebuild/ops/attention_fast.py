@@ -10,6 +10,13 @@ against it), but planned once per model step and run as a few batched tensor ops
 
 The reference op stays the golden model (and the export / plugin boundary); this module only
 exists because a Python loop per sequence and per layer is slow on a CPU.
+
+**Row-invariant steps** (decode and verify: few new rows per sequence, cache written): each
+new row attends as its own one-query problem ``[R, H, 1, D]`` over key columns padded to a
+multiple of ``KEY_ALIGN`` and masked past its visible count, so a row's bits depend only on
+its own keys, never on how many rows share the pass (a 1-row decode and row i of an n+1-row
+verify give identical output). That is what keeps greedy DSpark equal to greedy target-only
+in bf16 (design rule "Exactness"; checked bit for bit by tests/test_batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from torch import Tensor
 
 from edgebuild.ops.norm import rms_norm
 from edgebuild.ops.rope import apply_rope
+
+KEY_ALIGN = 32  # key columns of a row-invariant step are padded to a multiple of this
+ROW_INVARIANT_MAX_ROWS = 16  # steps with at most this many new rows per sequence
 
 
 @dataclass
@@ -38,6 +48,8 @@ class DensePlan:
         valid_rows: bool [B, S] rows < input_lengths.
         write_kv: whether new rows are written and read back from the cache; when False the
             key columns are [past slots (padded to P); new rows (S)].
+        row_invariant: decode / verify step (causal, cache written, S <= ROW_INVARIANT_MAX_ROWS):
+            T is padded to a multiple of KEY_ALIGN and every valid row attends alone.
     """
 
     write_b: Tensor
@@ -52,7 +64,8 @@ class DensePlan:
     valid_rows: Tensor
     write_kv: bool
     past_width: int
-    _window_masks: dict = field(default_factory=dict)
+    row_invariant: bool = False
+    _memo: dict = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -85,6 +98,9 @@ class DensePlan:
         w_pages = table[wb, wslots // page_size]
         w_off = wslots % page_size
         width = int(cover.max()) if bsz else 0
+        row_invariant = causal and write_kv and rows <= ROW_INVARIANT_MAX_ROWS and bsz > 0
+        if row_invariant:
+            width = -(-width // KEY_ALIGN) * KEY_ALIGN
         ar_t = torch.arange(width)
         in_range = ar_t[None, :] < cover[:, None]  # [B, T_past or T]
         slots = torch.where(in_range, ar_t[None, :], 0)
@@ -111,18 +127,18 @@ class DensePlan:
         mask = mask & valid[:, :, None]
         return cls(
             wb, wi, w_pages, w_off, r_pages, r_off, key_slots, query_slots, mask, valid,
-            write_kv, width,
+            write_kv, width, row_invariant,
         )  # fmt: skip
 
     def mask_for(self, sliding_window: int) -> Tensor:
         """bool [B, S, T] with the sliding-window rule q - t < w applied (memoized)."""
         if sliding_window <= 0:
             return self.base_mask
-        m = self._window_masks.get(sliding_window)
+        m = self._memo.get(sliding_window)
         if m is None:
             near = (self.query_slots[:, :, None] - self.key_slots[:, None, :]) < sliding_window
             m = self.base_mask & near
-            self._window_masks[sliding_window] = m
+            self._memo[sliding_window] = m
         return m
 
 
@@ -151,6 +167,11 @@ def paged_attention_planned(
     bsz, rows, _ = qkv.shape
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     heads = qkv.view(bsz, rows, hq + 2 * hkv, d)
+    if plan.row_invariant and want_output:
+        return _decode_step(
+            heads, kv_cache, plan, positions, rope_cos_sin, q_norm_weight, k_norm_weight,
+            hq, sliding_window, scale, rms_norm_eps,
+        )  # fmt: skip
     k = heads[:, :, hq : hq + hkv]
     v = heads[:, :, hq + hkv :]
     if k_norm_weight is not None:
@@ -188,3 +209,82 @@ def paged_attention_planned(
     out = out.transpose(1, 2).reshape(bsz, rows, hq * d)
     out = out.masked_fill(~seen[:, :, None], 0.0)
     return out.to(qkv.dtype)
+
+
+def _rope_rows(plan: DensePlan, positions: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    """(cos, sin) fp32 [B, S, 1, rotary_dim / 2] of this step's positions, built once a step."""
+    key = ("rope", table.data_ptr(), tuple(table.shape))
+    rows = plan._memo.get(key)
+    if rows is None:
+        if positions.numel() and (positions.min() < 0 or positions.max() >= table.shape[0]):
+            raise ValueError(
+                f"positions span [{int(positions.min())}, {int(positions.max())}] but the rope "
+                f"table has {table.shape[0]} rows; build it with a larger max_position"
+            )
+        half = table.shape[1] // 2
+        r = table.float()[positions.long()].unsqueeze(2)  # [B, S, 1, rotary_dim]
+        rows = (r[..., :half], r[..., half:])
+        plan._memo[key] = rows
+    return rows
+
+
+def _decode_step(
+    heads: Tensor,  # [B, S, Hq + 2 * Hkv, D] the projected rows
+    kv_cache: Tensor,  # [num_pages, 2, Hkv, page_size, D], written in place
+    plan: DensePlan,  # a row-invariant plan (causal, write_kv, few rows)
+    positions: Tensor,  # int [B, S]
+    rope_cos_sin: Tensor,  # fp32 [max_position, rotary_dim]
+    q_norm_weight: Tensor | None,
+    k_norm_weight: Tensor | None,
+    hq: int,
+    sliding_window: int,
+    scale: float,
+    eps: float,
+) -> Tensor:  # [B, S, Hq * D] in heads.dtype, padding rows zero
+    """Decode / verify attention: each valid row attends alone (module docstring).
+
+    q and k are normalized and rotated together (the same formula as
+    :func:`edgebuild.ops.rope.apply_rope`, with the step's cos/sin rows built once), K/V are
+    written and read back with one scatter and one gather, and every valid row runs as its own
+    one-query problem ``[R, Hq, 1, D]`` over the sequence's key columns (padded to a multiple
+    of KEY_ALIGN and masked past the row), in the model dtype (fp32 softmax inside the kernel).
+    """
+    bsz, rows, width, d = heads.shape
+    hkv = (width - hq) // 2
+    dtype = heads.dtype
+    if q_norm_weight is None and k_norm_weight is None:
+        qk = heads[:, :, : hq + hkv]
+    else:
+        q, k = heads[:, :, :hq], heads[:, :, hq : hq + hkv]
+        if q_norm_weight is not None:
+            q = rms_norm(q, q_norm_weight, eps).to(dtype)
+        if k_norm_weight is not None:
+            k = rms_norm(k, k_norm_weight, eps).to(dtype)
+        qk = torch.cat([q, k], dim=2)
+    rot = rope_cos_sin.shape[1]
+    if rot:
+        cos, sin = _rope_rows(plan, positions, rope_cos_sin)
+        half = rot // 2
+        xf = qk.float()
+        x1, x2, rest = xf[..., :half], xf[..., half:rot], xf[..., rot:]
+        qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).to(dtype)
+    wb, wi = plan.write_b, plan.write_i  # the valid rows
+    out = heads.new_zeros(bsz, rows, hq * d)
+    if not wb.numel():
+        return out
+    new = torch.stack([qk[:, :, hq:], heads[:, :, hq + hkv :]], dim=2)  # [B, S, 2, Hkv, D]
+    kv_cache[plan.write_pages, :, :, plan.write_offsets, :] = new[wb, wi].to(kv_cache.dtype)
+    kv = kv_cache[plan.read_pages, :, :, plan.read_offsets, :].to(dtype)  # [B, T, 2, Hkv, D]
+    kt, vt = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, T, D]
+    n = wb.numel()
+    if bsz == 1:
+        kr, vr = kt.expand(n, -1, -1, -1), vt.expand(n, -1, -1, -1)
+    else:
+        kr, vr = kt[wb], vt[wb]
+    qr = qk[wb, wi, :hq].unsqueeze(2)  # [R, Hq, 1, D]
+    mr = plan.mask_for(sliding_window)[wb, wi][:, None, None, :]  # [R, 1, 1, T]
+    o = F.scaled_dot_product_attention(
+        qr, kr, vr, attn_mask=mr, scale=scale, enable_gqa=hq != hkv
+    )  # [R, Hq, 1, D]
+    out[wb, wi] = o.reshape(n, hq * d).to(dtype)
+    return out

@@ -60,14 +60,40 @@ class Proposal:
     """A drafted block for one sequence.
 
     tokens: the n drafted ids (positions s+1..s+n after the anchor at s).
-    q: fp32 [n, V] the distribution each token was drawn from (one-hot when greedy; zero
-       outside the top-k candidates); used by rejection sampling.
+    q: fp32 [n, K] the distribution each token was drawn from, over ``q_ids[i]`` (one-hot
+       when greedy); zero outside those candidates, which keeps rejection sampling exact.
     confidence: fp32 [n] confidence-head probabilities (ones when the draft has no head).
+    q_ids: int64 [n, K] the candidate ids q is over; None means q is dense over the
+       vocabulary (K = V, candidate j is token j).
     """
 
     tokens: list[int]
     q: torch.Tensor
     confidence: torch.Tensor
+    q_ids: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def truncated(self, n: int) -> Proposal:
+        """The first n drafts (a confidence cutoff or a budget)."""
+        ids = None if self.q_ids is None else self.q_ids[:n]
+        return Proposal(self.tokens[:n], self.q[:n], self.confidence[:n], ids)
+
+    def dense_q(self, vocab: int) -> torch.Tensor:
+        """fp32 [n, vocab] q scattered over the vocabulary (zero outside the candidates)."""
+        if self.q_ids is None:
+            return self.q.float()
+        out = torch.zeros(len(self.tokens), vocab)
+        return out.scatter_(1, self.q_ids.long(), self.q.float())
+
+    def token_q(self) -> torch.Tensor:
+        """fp32 [n] q of each drafted token (0 if the token is not among its candidates)."""
+        tok = torch.tensor(self.tokens, dtype=torch.long)
+        if self.q_ids is None:
+            return self.q.float().gather(1, tok[:, None]).squeeze(-1)
+        hit = self.q_ids.long() == tok[:, None]
+        return (self.q.float() * hit).sum(-1)
 
 
 class TargetBackend(Protocol):

@@ -31,10 +31,9 @@ import torch
 from edgebuild.runtime.backend import DraftBackend, MultimodalPrefill, Proposal, TargetBackend
 from edgebuild.runtime.kv_cache import Sequence
 from edgebuild.runtime.metrics import RequestMetrics
+from edgebuild.runtime.rejection import RESIDUAL_EPS, verify_batch
 from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
 from edgebuild.runtime.stopping import IncrementalDetokenizer, StopChecker
-
-RESIDUAL_EPS = 1e-8
 
 
 @dataclass
@@ -82,6 +81,8 @@ class RequestState:
 
 
 # ---------------------------------------------------------------------- verification parts
+# The per-request parts below define the rules; the decoder runs them batched
+# (:func:`edgebuild.runtime.rejection.verify_batch`), and the tests hold one to the other.
 def accept(
     p: torch.Tensor,  # fp32 [n+1, V] target distributions for rows 0..n
     q: torch.Tensor,  # fp32 [n, V] draft distributions of d_1..d_n
@@ -170,8 +171,7 @@ class TargetOnlyDecoder:
             tap_layers,
             [images] if images is not None else None,
         )
-        p = target_probs(out.logits[0][-1], st.params)
-        token = sample(p, st.generator)
+        token = next_tokens([out.logits[0][-1]], [st.params], [st])[0]
         st.anchor = token
         st.metrics.prefill_s += time.perf_counter() - t0
         st.metrics.prompt_tokens = len(st.prompt_ids)
@@ -192,8 +192,8 @@ class TargetOnlyDecoder:
         rows = [torch.tensor([s.anchor], dtype=torch.int64) for s in live]
         out = self.target.forward([s.seq for s in live], rows, [[0]] * len(live))
         dt = time.perf_counter() - t0
-        for st, logits in zip(live, out.logits, strict=True):
-            token = sample(target_probs(logits[0], st.params), st.generator)
+        tokens = next_tokens([lg[0] for lg in out.logits], [s.params for s in live], live)
+        for st, token in zip(live, tokens, strict=True):
             st.anchor = token
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=0, accepted=0)
@@ -275,7 +275,7 @@ class DSparkDecoder(TargetOnlyDecoder):
     def _cutoff(self, prop: Proposal) -> Proposal:
         below = (prop.confidence < self.threshold).nonzero()
         n = int(below[0]) if len(below) else len(prop.tokens)
-        return Proposal(prop.tokens[:n], prop.q[:n], prop.confidence[:n])
+        return prop.truncated(n)
 
     def verify_and_commit(self, live: list[RequestState], proposals: list[Proposal]) -> None:
         """Target pass over [anchor, drafts]; accept, resample or bonus; roll back; commit."""
@@ -288,17 +288,29 @@ class DSparkDecoder(TargetOnlyDecoder):
             [s.seq for s in live], rows, [list(range(len(r))) for r in rows], self.taps
         )
         dt = time.perf_counter() - t0
-        for b, (st, prop) in enumerate(zip(live, proposals, strict=True)):
-            n = len(prop.tokens)
-            p = target_probs(out.logits[b], st.params)  # [n+1, V]
-            a = accept(p, prop.q, prop.tokens, st.params.greedy, st.generator)
-            if a < n:
-                nxt = resample(p[a], prop.q[a], st.params.greedy, st.generator)
-            else:
-                nxt = bonus(p[n], st.params.greedy, st.generator)
+        verdicts = verify_batch(
+            out.logits, proposals, [s.params for s in live], [s.generator for s in live]
+        )
+        for b, (st, prop, v) in enumerate(zip(live, proposals, verdicts, strict=True)):
+            n, a = len(prop.tokens), v.accepted
             self.target.rollback(st.seq, n - a)  # keep anchor + accepted drafts
             st.pending_features = out.taps[b][: a + 1]
-            st.anchor = nxt
+            st.anchor = v.next_token
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=n, accepted=a)
-            self._commit(st, [*prop.tokens[:a], nxt])
+            self._commit(st, v.tokens(prop.tokens))
+
+
+def next_tokens(
+    logits: list[torch.Tensor], params: list[SamplingParams], states: list[RequestState]
+) -> list[int]:
+    """One token per request from its fp32 [V] logits row: argmax (greedy) or a sample.
+
+    Greedy rows are decided together (one argmax over the stacked rows, first index on ties);
+    sampled rows draw from :func:`target_probs` with the request's generator.
+    """
+    out = torch.stack(logits).argmax(-1).tolist()
+    for b, (p, st) in enumerate(zip(params, states, strict=True)):
+        if not p.greedy:
+            out[b] = sample(target_probs(logits[b], p), st.generator)
+    return out

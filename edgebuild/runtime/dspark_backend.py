@@ -17,9 +17,11 @@ import torch
 from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
-from edgebuild.models.dspark import DSparkConfig, DSparkDraft
+from edgebuild.models.dspark import DSparkDraft, MarkovHeadType, check_draft
 from edgebuild.runtime.backend import Proposal
+from edgebuild.runtime.cpu import resolve_dtype
 from edgebuild.runtime.kv_cache import PageAllocator, Sequence, allocate_pools
+from edgebuild.runtime.markov_walk import draw_rows, walk_lattice, walk_uniforms
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.torch_backend import make_batch, pad_rows
@@ -35,14 +37,24 @@ class TorchDraft:
         max_kv_rows: context-cache capacity in rows across sequences.
         page_size: rows per page.
         top_k: candidates per position for the Markov walk (0 = full vocabulary).
+        quant: None or ``"int8"``: how the linears are packed (as the target's).
     """
 
-    def __init__(self, model: DSparkDraft, max_kv_rows: int, page_size: int, top_k: int = 16):
+    def __init__(
+        self,
+        model: DSparkDraft,
+        max_kv_rows: int,
+        page_size: int,
+        top_k: int = 16,
+        quant: str | None = None,
+    ):
         cfg = model.config
         self.model, self.config = model, cfg
         self.block_size = cfg.block_size
         self.target_layer_ids = tuple(cfg.target_layer_ids)
         self.top_k = top_k
+        if model.packed_lm_head is None:
+            model.pack_for_cpu(quant)
         # + one block per page budget: block rows are reserved (never written) during a pass
         num_pages = -(-max_kv_rows // page_size) + 4 * (-(-cfg.block_size // page_size))
         self.allocator = PageAllocator(num_pages, page_size)
@@ -80,7 +92,10 @@ class TorchDraft:
         params: list[SamplingParams],
         generators: list[torch.Generator],
     ) -> list[Proposal]:
-        """One block pass at positions s..s+B-1 (s = context length), then the Markov walk."""
+        """One block pass at positions s..s+B-1 (s = context length), then the Markov walk.
+
+        Only the ``max(num_tokens)`` rows that are drafted reach ``lm_head``.
+        """
         bs = self.block_size
         batch = make_batch(self.allocator, seqs, [bs] * len(seqs))
         try:
@@ -89,64 +104,72 @@ class TorchDraft:
         finally:
             for s in seqs:  # block K/V never persist: release the reserved pages
                 self.allocator.truncate(s, s.length)
-        base = self.model.base_logits(h)  # fp32 [B, Bs, V]
+        n_max = max(num_tokens, default=0)
+        if n_max == 0:  # a budget-cut step: nothing to draft
+            return [Proposal([], torch.zeros(0, 1), torch.ones(0), None) for _ in seqs]
+        h = h[:, :n_max]
+        base = self.model.base_logits(h)  # fp32 [B, n, V]
         return self.walk(h, base, anchors, num_tokens, params, generators)
 
     def walk(
         self,
-        h: torch.Tensor,  # [B, Bs, d] post-norm draft hidden
-        base: torch.Tensor,  # fp32 [B, Bs, V] base logits
+        h: torch.Tensor,  # [B, n, d] post-norm draft hidden of the drafted rows
+        base: torch.Tensor,  # fp32 [B, n, V] base logits
         anchors: list[int],
         num_tokens: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator],
     ) -> list[Proposal]:
-        """Left-to-right Markov walk over each row's top-k candidates (module docstring)."""
+        """The Markov walk (module docstring): over the top-k lattice, the one walk the
+        TensorRT draft runs too (:func:`walk_lattice`); token by token for an rnn head or the
+        full vocabulary (``draft_top_k`` 0), where no lattice exists."""
+        vocab = base.shape[-1]
+        k_cand = self.top_k if 0 < self.top_k < vocab else vocab
+        head = self.model.markov_head
+        rnn = head is not None and head.head_type is MarkovHeadType.RNN
+        if k_cand < vocab and not rnn:
+            cand, scores, conf = self.model.lattice(h, base, torch.tensor(anchors), k_cand)
+            return walk_lattice(cand, scores, conf, num_tokens, params, generators)
+        return self._walk_by_token(h, base, anchors, num_tokens, params, generators, k_cand)
+
+    def _walk_by_token(self, h, base, anchors, num_tokens, params, generators, k_cand):
+        """Slot by slot, the Markov bias computed from the token actually chosen before."""
         model, vocab = self.model, base.shape[-1]
         n_max = max(num_tokens, default=0)
         batch = len(anchors)
         prev = torch.tensor(anchors, dtype=torch.long)
+        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+        temps = torch.tensor([float(p.temperature) for p in params])
+        uniforms = walk_uniforms(params, generators, n_max)
         state = None
-        q = torch.zeros(batch, n_max, vocab)
+        q = torch.zeros(batch, n_max, k_cand)
+        ids = torch.zeros(batch, n_max, k_cand, dtype=torch.long)
         conf = torch.ones(batch, n_max)
         tokens = torch.zeros(batch, n_max, dtype=torch.long)
-        k_cand = self.top_k if 0 < self.top_k < vocab else vocab
         for k in range(n_max):
             z = base[:, k]  # [B, V]
             cand = z.topk(k_cand, dim=-1).indices if k_cand < vocab else None  # [B, K]
             scores = z if cand is None else z.gather(1, cand)
+            new_state = None
             if model.markov_head is not None:
                 if cand is None:
                     bias, new_state = model.markov_head.step(prev, h[:, k], state)
                 else:
                     bias, new_state = model.markov_head.candidate_bias(prev, h[:, k], state, cand)
                 scores = scores + bias
-            else:
-                new_state = None
             if model.confidence_head is not None:
                 conf[:, k] = model.confidence(h[:, k], prev)
-            for b in range(batch):
-                local = _draw(scores[b], params[b], generators[b])  # [K] probs, chosen index
-                probs, choice = local
-                ids = torch.arange(vocab) if cand is None else cand[b]
-                q[b, k].index_copy_(0, ids, probs)
-                tokens[b, k] = ids[choice]
+            q[:, k], choice = draw_rows(scores, greedy, temps, uniforms[:, k])
+            ids[:, k] = torch.arange(vocab).expand(batch, -1) if cand is None else cand
+            tokens[:, k] = ids[:, k].gather(1, choice[:, None]).squeeze(-1)
             prev, state = tokens[:, k].clone(), new_state
+        listed = tokens.tolist()
         return [
-            Proposal(tokens[b, :n].tolist(), q[b, :n], conf[b, :n])
+            Proposal(
+                listed[b][:n], q[b, :n], conf[b, :n], q_ids=None if k_cand == vocab else ids[b, :n]
+            )
             for b, n in enumerate(num_tokens)
         ]
-
-
-def _draw(
-    scores: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, int]:
-    """q over the candidates (one-hot when greedy) and the chosen candidate index."""
-    if params.greedy:
-        choice = int(scores.argmax())
-        return torch.nn.functional.one_hot(torch.tensor(choice), scores.shape[0]).float(), choice
-    probs = torch.softmax(scores.float() / params.temperature, dim=-1)
-    return probs, int(torch.multinomial(probs, 1, generator=generator))
 
 
 def prepare_draft(
@@ -162,12 +185,10 @@ def prepare_draft(
     """
     draft_source = WeightSource(spec.model, COMPONENT)
     pair = PairedSources(draft_source, WeightSource(target_source.path, TARGET))
-    pair.validate()
     target_cfg = ModelConfig.from_dict(target_source.config, str(target_source.config_path))
-    dcfg = DSparkConfig.from_dict(draft_source.config, target_cfg, str(draft_source.config_path))
-    dcfg.validate(target_cfg)
-    spec.check_block(dcfg.block_size, str(draft_source.config_path))
-    head, embed = pair.lm_head(), pair.embed_tokens()
+    checked = check_draft(pair, target_cfg)  # the same checks as `edgebuild inspect --draft`
+    spec.check_block(checked.config.block_size, str(draft_source.config_path))
+    head, embed = checked.lm_head, checked.embed_tokens
     log.info(
         "draft %s: lm_head from %s (%s), embed_tokens from %s",
         spec.model,
@@ -182,10 +203,12 @@ def prepare_draft(
             target_cfg,
             head.value,
             embed.value,
-            options.dtype,
+            resolve_dtype(options.dtype),
             lm_head_origin=f"{head.file}: {head.name}",
             embed_origin=f"{embed.file}: {embed.name}",
         )
-        return TorchDraft(model, options.max_kv_rows, options.page_size, spec.draft_top_k)
+        return TorchDraft(
+            model, options.max_kv_rows, options.page_size, spec.draft_top_k, options.quant
+        )
 
     return load

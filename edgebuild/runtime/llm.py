@@ -7,6 +7,7 @@ decoder. The scheduler of the server drives the same decoder step by step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -15,10 +16,13 @@ from pathlib import Path
 
 import torch
 
+from edgebuild.checkpoint.generation import read_generation_defaults
 from edgebuild.checkpoint.source import WeightSource
-from edgebuild.errors import CheckpointError, RequestError
+from edgebuild.errors import CheckpointError, ConfigError, RequestError
 from edgebuild.models.image_processing import ImageInput
 from edgebuild.models.llama import LlamaForCausalLM
+from edgebuild.ops.linear import QUANT_MODES
+from edgebuild.runtime.cpu import describe_cpu, resolve_dtype
 from edgebuild.runtime.decoding import (
     DSparkDecoder,
     RequestState,
@@ -70,15 +74,19 @@ class RuntimeOptions:
         ``build.max_batch_size`` such sequences.
     max_input_len: longest accepted prompt in tokens.
     page_size: KV page size in tokens.
-    dtype: compute dtype of the CPU models.
+    dtype: compute dtype of the CPU models; None = bf16 on a CPU with native bf16, else fp32
+        (:func:`edgebuild.runtime.cpu.default_compute_dtype`).
     max_images: most images in one prompt (vision-language targets).
+    quant: None, or ``"int8"``: weight-only int8 linears on the CPU (opt-in: faster, but the
+        outputs are the int8 model's, not the checkpoint's; DSpark still equals target-only).
     """
 
     max_kv_rows: int = 16384
     max_input_len: int = 4096
     page_size: int = DEFAULT_PAGE_SIZE
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None
     max_images: int = 8
+    quant: str | None = None
     max_seq_rows: int | None = None
 
     @property
@@ -118,12 +126,14 @@ class LLM:
         resolved = resolve_model_path(model)  # a bundle: verified, then its source checkpoints
         self.bundle = resolved.bundle
         self.model_dir = resolved.target
-        self.options = options or RuntimeOptions()
+        self.options = dataclasses.replace(options or RuntimeOptions())
         spec = speculative if speculative is not None else resolved.speculative
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             spec = SpeculativeConfig.parse(spec)
         self.speculative = spec
         self.source = WeightSource(self.model_dir)
+        # default stop ids and sampling settings (HF semantics: generation_config.json first)
+        self.generation = read_generation_defaults(self.model_dir, self.source.config)
         self.backend = backend
         if backend == "tensorrt":  # the bundle's engines; no torch weights are loaded
             from edgebuild.runtime.trt_backend import open_trt_runtime
@@ -135,6 +145,18 @@ class LLM:
             self.decoder = rt.decoder(spec)
             self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
             return
+        self.options.dtype = resolve_dtype(self.options.dtype)
+        if self.options.quant not in (None, *QUANT_MODES):
+            raise ConfigError(
+                f"--quant {self.options.quant!r} is not supported; choose one of {QUANT_MODES}"
+            )
+        log.info(
+            "torch CPU runtime: compute dtype %s, weights %s, %d intra-op threads (%s)",
+            str(self.options.dtype).removeprefix("torch."),
+            self.options.quant or "as in the checkpoint",
+            torch.get_num_threads(),
+            describe_cpu(),
+        )
         draft_loader = None
         if spec is not None:  # validate the pair before loading the (large) target
             from edgebuild.runtime.dspark_backend import prepare_draft
@@ -149,7 +171,10 @@ class LLM:
             )
         self.tokenizer = load_tokenizer(self.model_dir)
         self.target = TorchTarget(
-            self.target_model, self.options.max_kv_rows, self.options.page_size
+            self.target_model,
+            self.options.max_kv_rows,
+            self.options.page_size,
+            quant=self.options.quant,
         )
         if draft_loader is not None:
             self.draft = draft_loader(self.options)
@@ -207,7 +232,12 @@ class LLM:
         return self.vision.process(images)
 
     def eos_ids(self) -> frozenset[int]:
-        ids = set(self.config.eos_token_id)
+        """Ids that end generation: the checkpoint's default EOS ids plus the tokenizer's.
+
+        The default ids are ``generation_config.json``'s ``eos_token_id`` when it has one (HF
+        semantics; chat models list more ids there), else ``config.json``'s.
+        """
+        ids = set(self.generation.eos_token_ids or self.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)

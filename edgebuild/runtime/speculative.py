@@ -5,7 +5,7 @@ Keys follow vLLM and TensorRT-Edge-LLM: `method`, `model`, `num_speculative_toke
 `confidence_threshold` (static cutoff; 0 = off). One declarative record per method.
 
 When `draft_top_k` is not given, the draft's own recommendation is used: vLLM's hf_config key
-`markov_topk` in the draft's `config.json` (top level or inside `dflash_config`; spec
+`markov_topk` in the draft's `config.json` (top level, `dspark_config` or `dflash_config`; spec
 draft-checkpoint-formats.md section 3, "Top-k pruning"), else 16 (the ORT / vLLM default).
 """
 
@@ -29,23 +29,27 @@ DEFAULT_DRAFT_TOP_K = 16
 def default_draft_top_k(draft_dir: Path) -> int:
     """The draft's recommended Markov-walk candidate count (``markov_topk``), else 16.
 
-    Reads ``config.json`` of ``draft_dir``: top-level ``markov_topk`` (vLLM's hf_config
-    spelling) or ``dflash_config.markov_topk``; 0 means the full vocabulary.
+    Reads ``markov_topk`` (vLLM's hf_config spelling) from ``config.json`` of ``draft_dir``
+    where :class:`~edgebuild.models.dspark.DSparkConfig` reads every DSpark field: the top
+    level, ``dspark_config`` or ``dflash_config``; 0 means the full vocabulary.
 
     Raises:
-        ConfigError: an unreadable config.json, or a ``markov_topk`` that is not an integer
-            >= 0 (names the file and the fix).
+        ConfigError: an unreadable config.json, a ``markov_topk`` that is not an integer
+            >= 0, or two locations that disagree (names the file, the field and the fix).
     """
     path = Path(draft_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
-    nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
-    value = cfg.get("markov_topk", nested.get("markov_topk", DEFAULT_DRAFT_TOP_K))
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: the draft config must be a JSON object")
+    from edgebuild.models.dspark import read_dspark_field  # the one draft-config reader
+
+    value, where = read_dspark_field(cfg, "markov_topk", int, str(path), DEFAULT_DRAFT_TOP_K)
+    if value < 0:
         raise ConfigError(
-            f"{path}: field 'markov_topk' is {value!r}; use an integer >= 0 (0 = full "
+            f"{path}: field '{where}' is {value!r}; use an integer >= 0 (0 = full "
             "vocabulary) or remove it (default 16)"
         )
     return value

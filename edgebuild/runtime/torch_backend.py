@@ -57,12 +57,22 @@ class TorchTarget:
         model: the target model (eval mode).
         max_kv_rows: KV capacity in rows (tokens), shared by all sequences.
         page_size: rows per page.
+        pack: pack the model's linears once for the CPU (:meth:`LlamaForCausalLM.pack_for_cpu`;
+            fused, faster, row-invariant).
+        quant: None or ``"int8"`` (weight-only int8 packing, opt-in; ops/linear.py).
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, max_kv_rows: int = 16384, page_size: int = DEFAULT_PAGE_SIZE
+        self,
+        model: LlamaForCausalLM,
+        max_kv_rows: int = 16384,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        pack: bool = True,
+        quant: str | None = None,
     ):
         cfg = model.config
+        if pack and model.packed_lm_head is None:
+            model.pack_for_cpu(quant)
         self.model, self.config = model, cfg
         self.vocab_size = cfg.vocab_size
         self.max_model_len = cfg.max_position_embeddings

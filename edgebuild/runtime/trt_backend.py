@@ -66,6 +66,7 @@ from edgebuild.models.image_processing import ImageInput
 from edgebuild.models.vision import VisionConfig, VisionPlan
 from edgebuild.runtime.backend import MultimodalPrefill, Proposal, TargetStep
 from edgebuild.runtime.kv_cache import CacheCapacityError, PageAllocator, Sequence
+from edgebuild.runtime.markov_walk import walk_lattice
 from edgebuild.runtime.multimodal import ImageInputError, VisionEncoder
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.trt_plan import (
@@ -477,47 +478,6 @@ class TrtTarget:
 
 
 # ----------------------------------------------------------------------------- draft
-def walk_lattice(
-    cand: torch.Tensor,  # int [B, n, K] candidate ids per block row (host)
-    scores: torch.Tensor,  # fp32 [B, n, K(i), K(j)] scores given previous candidate i (host)
-    confidence: torch.Tensor | None,  # fp32 [B, n, K(i)] or None (host)
-    num_tokens: list[int],
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-    vocab: int,
-) -> list[Proposal]:
-    """The DSpark Markov walk over the engine's top-k lattice (:mod:`edgebuild.export.graphs`).
-
-    Slot 0 is conditioned on the anchor in every row i, so it reads row 0; slot l reads the
-    row of the candidate chosen at slot l-1. The draw (argmax when greedy, else softmax of
-    scores / T) and the distribution q (zero outside the candidates) are the torch draft's
-    (:func:`edgebuild.runtime.dspark_backend._draw`), and so is the order in which the
-    generators are used, so both backends propose the same blocks for the same seeds.
-    """
-    from edgebuild.runtime.dspark_backend import _draw
-
-    batch = cand.shape[0]
-    n_max = max(num_tokens, default=0)
-    if n_max > cand.shape[1]:
-        raise ValueError(f"{n_max} drafts asked for, the lattice has {cand.shape[1]} slots")
-    q = torch.zeros(batch, n_max, vocab)
-    conf = torch.ones(batch, n_max)
-    tokens = torch.zeros(batch, n_max, dtype=torch.long)
-    cand = cand.long()
-    prev = [0] * batch
-    for k in range(n_max):
-        for b in range(batch):
-            probs, choice = _draw(scores[b, k, prev[b]], params[b], generators[b])
-            q[b, k].index_copy_(0, cand[b, k], probs)
-            tokens[b, k] = cand[b, k, choice]
-            if confidence is not None:
-                conf[b, k] = confidence[b, k, prev[b]]
-            prev[b] = choice
-    return [
-        Proposal(tokens[b, :n].tolist(), q[b, :n], conf[b, :n]) for b, n in enumerate(num_tokens)
-    ]
-
-
 class TrtDraft:
     """DraftBackend on the ``draft`` engine (module docstring).
 
@@ -635,9 +595,7 @@ class TrtDraft:
             self.allocator.advance(s, m)
             self.pending.pop(s.seq_id, None)
         conf = lattice[2] if self.has_confidence else None
-        return walk_lattice(
-            lattice[0], lattice[1], conf, num_tokens, params, generators, self.vocab_size
-        )
+        return walk_lattice(lattice[0], lattice[1], conf, num_tokens, params, generators)
 
     def _device_shapes(self, batch: int, width: int, f_dim: int) -> dict[str, tuple[int, ...]]:
         n, k = self.block_size, self.top_k

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from edgebuild.engine.plugin_library import plugin_build_hint
 from edgebuild.errors import EngineError, MissingDependencyError
 from edgebuild.runtime.trt_plan import (
     KV_INPUT,
@@ -41,7 +42,6 @@ from edgebuild.runtime.trt_plan import (
 
 log = logging.getLogger("edgebuild.runtime")
 
-PLUGIN_BUILD_HINT = "cmake -S plugins -B plugins/build && cmake --build plugins/build"
 # tensorrt.DataType names -> manifest dtype names
 _TRT_DTYPES = {
     "FLOAT": "float32",
@@ -81,7 +81,7 @@ def load_plugin_library(registry, plugin: dict, library: Path | None, bundle: Pa
             ``get_creator(name, version, namespace)``).
         plugin: the manifest's ``plugin`` entry (``name``, ``version``, ``namespace``,
             ``library``).
-        library: the library file (``$EDGEBUILD_PLUGIN_LIB`` or ``plugins/build``), None if
+        library: the library file (:func:`edgebuild.engine.plugin_library.plugin_library_path`), None if
             none was found.
         bundle: the bundle directory (for messages).
 
@@ -91,15 +91,11 @@ def load_plugin_library(registry, plugin: dict, library: Path | None, bundle: Pa
             library and how to build it.
     """
     want = f"{plugin['name']} version {plugin['version']} (namespace {plugin['namespace']!r})"
-    fix = (
-        f"build it from this checkout with `{PLUGIN_BUILD_HINT}` (on the device, with the "
-        "TensorRT headers) or point EDGEBUILD_PLUGIN_LIB at it"
-    )
+    fix = plugin_build_hint()
     if library is None or not Path(library).is_file():
         raise MissingDependencyError(
             f"{bundle}: the engines use the {want} plugin, but its library "
-            f"{plugin['library']} was not found ({library or 'looked at $EDGEBUILD_PLUGIN_LIB and plugins/build/'}); "
-            + fix
+            f"{plugin['library']} was not found{f' at {library}' if library else ''}; " + fix
         )
     handle = registry.load_library(str(library))
     if handle is None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from edgebuild.errors import EdgebuildError
+from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.serve.config import BACKENDS, ServeConfig, load_state
 
 
@@ -42,7 +43,15 @@ from edgebuild.serve.config import BACKENDS, ServeConfig, load_state
     help="Directory file:// images may come from (vision models).",
 )
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto")
-@click.option("--threads", default=None, type=int, help="torch CPU threads (default: torch's).")
+@click.option(
+    "--threads", default=None, type=int, help="torch CPU threads (default: cores - 1, >= 1)."
+)
+@click.option(
+    "--dtype",
+    default="auto",
+    type=click.Choice(DTYPE_CHOICES),
+    help="CPU compute dtype (auto: bfloat16 where the CPU has native bf16, else float32).",
+)
 @click.option(
     "--graceful-shutdown-s",
     default=30.0,

@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 
 from edgebuild.errors import ConfigError
+from edgebuild.runtime.cpu import resolve_dtype, set_cpu_threads
 from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.select import BACKENDS, BackendChoice, select_backend
 from edgebuild.serve.metrics import ServeMetrics
@@ -42,7 +43,9 @@ class ServeConfig:
         max_request_bytes: largest accepted request body (then 413).
         allowed_local_media_path: directory `file://` images may come from (vision models).
         backend: auto | torch | tensorrt.
-        threads: torch CPU threads (None = torch's default).
+        threads: torch CPU threads (None = cores - 1, at least 1; runtime/cpu.py).
+        dtype: CPU compute dtype: auto (bfloat16 with native CPU bf16, else float32),
+            bfloat16 or float32.
         graceful_shutdown_s: on SIGTERM, how long running requests may go on; then each gets
             the documented 503 (an SSE error event and `[DONE]` on a stream).
     """
@@ -61,6 +64,7 @@ class ServeConfig:
     allowed_local_media_path: Path | None = None
     backend: str = "auto"
     threads: int | None = None
+    dtype: str = "auto"
     graceful_shutdown_s: float = 30.0
 
     def validate(self) -> None:
@@ -84,6 +88,7 @@ class ServeConfig:
             raise ConfigError(f"--graceful-shutdown-s must be >= 0, got {self.graceful_shutdown_s}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        resolve_dtype(self.dtype)  # ConfigError naming --dtype
         if not Path(self.model).exists():
             raise ConfigError(f"model directory {self.model} does not exist")
 
@@ -148,12 +153,11 @@ def load_state(config: ServeConfig) -> ServeState:
     config.validate()
     backend = select_backend(config.backend, Path(config.model))
     log.info("backend: %s (%s)", backend.name, backend.reason)
-    if config.threads is not None:
-        import torch
-
-        torch.set_num_threads(config.threads)
+    set_cpu_threads(config.threads)
     options = RuntimeOptions(
-        max_kv_rows=config.max_kv_cache_capacity, max_input_len=config.max_input_len
+        max_kv_rows=config.max_kv_cache_capacity,
+        max_input_len=config.max_input_len,
+        dtype=resolve_dtype(config.dtype),
     )
     llm = LLM(
         config.model,

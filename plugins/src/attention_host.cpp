@@ -282,6 +282,11 @@ EB_HOST_EXPORT int32_t eb_host_params_size(void) {
     return static_cast<int32_t>(sizeof(EbAttentionParams));
 }
 
+EB_HOST_EXPORT int32_t eb_host_validate_attributes(const EbAttentionParams* params, char* err,
+                                                   int32_t err_len) {
+    return eb_validate_attributes(params, err, err_len);
+}
+
 EB_HOST_EXPORT int32_t eb_host_paged_attention(const EbAttentionParams* params, char* err,
                                                int32_t err_len) {
     const int32_t status = eb_validate_params(params, err, err_len);

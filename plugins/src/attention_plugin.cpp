@@ -150,18 +150,27 @@ void plugin_log(ILogger::Severity severity, std::string const& message) {
 }
 void log_error(std::string const& message) { plugin_log(ILogger::Severity::kERROR, message); }
 
-// Attribute checks shared with the kernels (eb_validate_params on an empty call).
+// The attributes alone (eb_validate_attributes, shared with the host build and the kernels'
+// eb_validate_params): createPlugin has no tensors (the ONNX parser calls it with the node's
+// attributes), so no shape or pointer is checked here; enqueue checks those
+// (eb_attention_enqueue runs eb_validate_params on the real call). The io dtype is not known
+// before configurePlugin: fp16 stands in (every io dtype has the same attribute rules).
 bool validate(Attributes const& a, std::string* error) {
+    if ((a.fp8_kv_cache != 0 && a.fp8_kv_cache != 1)) {
+        *error = "fp8_kv_cache (" + std::to_string(a.fp8_kv_cache) + ") must be 0 or 1";
+        return false;
+    }
     EbAttentionParams p{};
     p.struct_size = sizeof(EbAttentionParams);
     p.num_q_heads = a.num_q_heads, p.num_kv_heads = a.num_kv_heads, p.head_dim = a.head_dim;
     p.rotary_dim = a.rotary_dim, p.page_size = a.page_size, p.sliding_window = a.sliding_window;
+    p.causal = a.causal, p.write_kv = a.write_kv, p.qk_norm = a.qk_norm;
+    p.has_tree_mask = a.has_tree_mask;
     p.io_dtype = EB_DTYPE_FLOAT16;
     p.kv_dtype = a.fp8_kv_cache ? EB_DTYPE_FP8_E4M3 : EB_DTYPE_FLOAT16;
-    p.kv_scale = a.kv_scale;
-    p.max_position = 1;
+    p.scale = a.scale, p.rms_norm_eps = a.rms_norm_eps, p.kv_scale = a.kv_scale;
     char msg[256] = {0};
-    if (eb_validate_params(&p, msg, sizeof(msg)) != EB_OK) {
+    if (eb_validate_attributes(&p, msg, sizeof(msg)) != EB_OK) {
         *error = msg;
         return false;
     }

@@ -15,7 +15,10 @@
 // Built by CMake as edgebuild_cuda_check (links the kernels and the host build); run by
 // scripts/gpu_check.sh. Without a GPU, tests/test_plugin_host.py compiles this same file and
 // the kernels with g++ on cuda_emulation.h and runs `--no-timing --quick`.
-// Usage: edgebuild_cuda_check [--no-timing] [--quick]. Exit code 0 iff every check passed.
+// Then, with --bandwidth, a decode-attention bandwidth microbenchmark (BANDWIDTH lines: GB/s
+// and % of the HBM roofline); --bandwidth-dry runs it on tiny shapes (the CPU emulation).
+// Usage: edgebuild_cuda_check [--no-timing] [--quick] [--no-correctness] [--bandwidth |
+// --bandwidth-dry] [--peak-gbps GBPS]. Exit code 0 iff every check passed.
 
 #ifndef EB_KERNEL_EMULATION  // CPU emulation: plugins/tests/cuda_emulation.h stands in
 #include <cuda_runtime.h>
@@ -469,6 +472,158 @@ int run_timings() {
     return failures;
 }
 
+// ---- decode-attention bandwidth microbenchmark ------------------------------------------------
+// Decode (S = 1, the row kernel) over long contexts is bound by reading the K/V pages: one call
+// reads every visible slot's K and V once. Effective bandwidth = those bytes (+ qkv, out) / time,
+// reported against the HBM roofline 2 * memory clock * bus width (cudaDevAttrMemoryClockRate,
+// cudaDevAttrGlobalMemoryBusWidth; --peak-gbps overrides). The pool (> 1 GB at the full size,
+// far above L2) is filled on the device (cudaMemset), pages are shuffled across the pool.
+// --bandwidth-dry: the same code on tiny shapes (the CPU emulation has no clock: no % printed).
+
+struct BandwidthShape {
+    const char* name;
+    int batch, context, hq, hkv, d, page_size;
+    StoragePath path;
+};
+
+double hbm_peak_gbps(double override_gbps) {
+    if (override_gbps > 0) {
+        return override_gbps;
+    }
+    int device = 0, clock_khz = 0, bus_bits = 0;
+    CUDA_OK(cudaGetDevice(&device));
+    if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+        return 0.0;
+    }
+    return 2.0 * clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;  // DDR: two transfers per clock
+}
+
+// Bytes one decode call must move: K and V of every visible slot, the new K/V written, qkv, out.
+double decode_bytes(const BandwidthShape& s) {
+    const double kv = bytes_of(s.path.kv), io = bytes_of(s.path.io);
+    const double slots = static_cast<double>(s.batch) * (s.context + 1);
+    return slots * 2.0 * s.hkv * s.d * kv + s.batch * (s.hq + 2.0 * s.hkv) * s.d * io +
+           s.batch * static_cast<double>(s.hq) * s.d * io;
+}
+
+int bandwidth_case(const BandwidthShape& s, double peak_gbps, int iterations) {
+    std::mt19937 rng(7);
+    const int pages_per_seq = (s.context + 1 + s.page_size - 1) / s.page_size;
+    const int num_pages = s.batch * pages_per_seq;
+    std::vector<int32_t> order(static_cast<size_t>(num_pages));
+    for (int i = 0; i < num_pages; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    const std::vector<int32_t> past(s.batch, s.context), lengths(s.batch, 1);
+    std::vector<int32_t> positions(past);
+    const std::vector<float> rope = rope_table(s.d, s.context + 2);
+    const std::vector<uint8_t> qkv =
+        encode(randn(rng, static_cast<size_t>(s.batch) * (s.hq + 2 * s.hkv) * s.d), s.path.io);
+    const size_t cache_bytes = static_cast<size_t>(num_pages) * 2 * s.hkv * s.page_size * s.d *
+                               bytes_of(s.path.kv);
+    const size_t out_bytes = static_cast<size_t>(s.batch) * s.hq * s.d * bytes_of(s.path.io);
+
+    EbAttentionParams p{};
+    p.struct_size = sizeof(EbAttentionParams);
+    p.batch = s.batch, p.seq_len = 1, p.num_pages = num_pages, p.max_pages_per_seq = pages_per_seq;
+    p.max_position = s.context + 2;
+    p.num_q_heads = s.hq, p.num_kv_heads = s.hkv, p.head_dim = s.d, p.rotary_dim = s.d;
+    p.page_size = s.page_size, p.causal = 1, p.write_kv = 1;
+    p.io_dtype = s.path.io, p.kv_dtype = s.path.kv;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(s.d));
+    p.rms_norm_eps = 1e-6f, p.kv_scale = 1.0f;
+    std::vector<void*> allocations;
+    auto upload = [&](const void* src, size_t n) {
+        void* d = nullptr;
+        CUDA_OK(cudaMalloc(&d, std::max<size_t>(n, 1)));
+        if (src != nullptr) CUDA_OK(cudaMemcpy(d, src, n, cudaMemcpyHostToDevice));
+        allocations.push_back(d);
+        return d;
+    };
+    p.qkv = upload(qkv.data(), qkv.size());
+    p.kv_cache = upload(nullptr, cache_bytes);
+    CUDA_OK(cudaMemset(p.kv_cache, 0x1f, cache_bytes));  // small finite values in every dtype
+    p.page_table = static_cast<const int32_t*>(upload(order.data(), order.size() * 4));
+    p.past_lengths = static_cast<const int32_t*>(upload(past.data(), past.size() * 4));
+    p.input_lengths = static_cast<const int32_t*>(upload(lengths.data(), lengths.size() * 4));
+    p.positions = static_cast<const int32_t*>(upload(positions.data(), positions.size() * 4));
+    p.rope_cos_sin = static_cast<const float*>(upload(rope.data(), rope.size() * 4));
+    p.out = upload(nullptr, out_bytes);
+    const size_t ws = eb_attention_workspace_size(s.batch, 1, s.hq, s.hkv, s.d, s.path.kv);
+    void* workspace = upload(nullptr, ws);
+
+    int failures = 0;
+    char err[256] = {0};
+    auto call = [&]() {
+        return eb_attention_enqueue(&p, workspace, ws, nullptr, EB_KERNEL_ROW, err, sizeof(err));
+    };
+    if (call() != EB_OK || call() != EB_OK) {  // warm-up
+        std::printf("FAIL bandwidth %s: enqueue: %s\n", s.name, err);
+        failures = 1;
+    } else {
+        cudaEvent_t start, stop;
+        CUDA_OK(cudaEventCreate(&start));
+        CUDA_OK(cudaEventCreate(&stop));
+        CUDA_OK(cudaEventRecord(start));
+        for (int it = 0; it < iterations; ++it) call();
+        CUDA_OK(cudaEventRecord(stop));
+        CUDA_OK(cudaEventSynchronize(stop));
+        CUDA_OK(cudaGetLastError());
+        float ms = 0.0f;
+        CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+        CUDA_OK(cudaEventDestroy(start));
+        CUDA_OK(cudaEventDestroy(stop));
+        std::vector<uint8_t> out(out_bytes);
+        CUDA_OK(cudaMemcpy(out.data(), p.out, out_bytes, cudaMemcpyDeviceToHost));
+        bool finite = true;
+        for (size_t i = 0; i < out_bytes / bytes_of(s.path.io); ++i) {
+            finite = finite && std::isfinite(load_as_float(out, s.path.io, i));
+        }
+        if (!finite) {
+            std::printf("FAIL bandwidth %s: non-finite output\n", s.name);
+            failures = 1;
+        }
+        const double bytes = decode_bytes(s), per_call_ms = ms / iterations;
+        std::printf("BANDWIDTH %-34s %-11s bytes/call=%.4g", s.name, s.path.name, bytes);
+        if (per_call_ms > 0) {
+            const double gbps = bytes / (per_call_ms * 1e6);
+            std::printf(" %.4f ms/call %.1f GB/s", per_call_ms, gbps);
+            if (peak_gbps > 0) {
+                std::printf(" = %.1f%% of the HBM roofline (%.0f GB/s)", 100.0 * gbps / peak_gbps,
+                            peak_gbps);
+            }
+        } else {
+            std::printf(" (no device clock: timing not measured)");
+        }
+        std::printf("\n");
+    }
+    for (void* d : allocations) cudaFree(d);
+    return failures;
+}
+
+int run_bandwidth(bool dry, double peak_override) {
+    const StoragePath fp16 = kPaths[1], fp8 = kPaths[3];
+    const double peak = dry ? 0.0 : hbm_peak_gbps(peak_override);
+    if (!dry) {
+        std::printf("HBM roofline: %.0f GB/s%s\n", peak,
+                    peak_override > 0 ? " (--peak-gbps)" : " (2 x memory clock x bus width)");
+    }
+    std::vector<BandwidthShape> shapes;
+    if (dry) {
+        shapes = {{"decode B2 ctx40 Hq4 Hkv2 D16", 2, 40, 4, 2, 16, 8, fp16},
+                  {"decode B2 ctx40 Hq4 Hkv2 D16 fp8kv", 2, 40, 4, 2, 16, 8, fp8}};
+    } else {  // pools of 1.07 GB (fp16) / 0.54 GB (fp8): far beyond the H200's 50 MB L2
+        shapes = {{"decode B16 ctx16384 Hq32 Hkv8 D128", 16, 16384, 32, 8, 128, 64, fp16},
+                  {"decode B64 ctx4096 Hq32 Hkv8 D128", 64, 4096, 32, 8, 128, 64, fp16},
+                  {"decode B16 ctx16384 Hq32 Hkv8 D128", 16, 16384, 32, 8, 128, 64, fp8}};
+    }
+    int failures = 0;
+    for (const BandwidthShape& s : shapes) {
+        failures += bandwidth_case(s, peak, dry ? 1 : 50);
+    }
+    return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -477,20 +632,35 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaGetDevice(&device));
     CUDA_OK(cudaGetDeviceProperties(&prop, device));
     std::printf("device: %s sm_%d%d\n", prop.name, prop.major, prop.minor);
-    bool skip_timing = false, quick = false;
+    bool skip_timing = false, quick = false, correctness = true, bandwidth = false, dry = false;
+    double peak_gbps = 0.0;
     for (int i = 1; i < argc; ++i) {
         if (std::strcmp(argv[i], "--no-timing") == 0) {
             skip_timing = true;
         } else if (std::strcmp(argv[i], "--quick") == 0) {
             quick = true;
+        } else if (std::strcmp(argv[i], "--no-correctness") == 0) {
+            correctness = false;
+        } else if (std::strcmp(argv[i], "--bandwidth") == 0) {
+            bandwidth = true;
+        } else if (std::strcmp(argv[i], "--bandwidth-dry") == 0) {
+            bandwidth = dry = true;
+        } else if (std::strcmp(argv[i], "--peak-gbps") == 0 && i + 1 < argc) {
+            peak_gbps = std::atof(argv[++i]);
         } else {
-            std::fprintf(stderr, "usage: %s [--no-timing] [--quick]\n", argv[0]);
+            std::fprintf(stderr,
+                         "usage: %s [--no-timing] [--quick] [--no-correctness] [--bandwidth | "
+                         "--bandwidth-dry] [--peak-gbps GBPS]\n",
+                         argv[0]);
             return 2;
         }
     }
-    int failures = run_correctness(quick);
+    int failures = correctness ? run_correctness(quick) : 0;
     if (!skip_timing) {
         failures += run_timings();
+    }
+    if (bandwidth) {
+        failures += run_bandwidth(dry, peak_gbps);
     }
     std::printf("%s: %d failure(s)\n", failures == 0 ? "ALL PASS" : "SOME FAILED", failures);
     return failures == 0 ? 0 : 1;

@@ -237,7 +237,34 @@ inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKi
     std::memcpy(dst, src, n);
     return cudaSuccess;
 }
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
+                                   cudaStream_t = nullptr) {
+    return cudaMemcpy(dst, src, n, kind);
+}
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+// The emulated device's compute capability: $EB_EMULATED_SM (e.g. 87 for Orin), default 90.
+// Memory clock / bus width are not emulated (cudaErrorInvalidValue: no bandwidth roofline).
+enum cudaDeviceAttr {
+    cudaDevAttrMemoryClockRate = 36,
+    cudaDevAttrGlobalMemoryBusWidth = 37,
+    cudaDevAttrComputeCapabilityMajor = 75,
+    cudaDevAttrComputeCapabilityMinor = 76
+};
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+    const char* env = std::getenv("EB_EMULATED_SM");
+    const int sm = env != nullptr ? std::atoi(env) : 90;
+    if (attr == cudaDevAttrComputeCapabilityMajor || attr == cudaDevAttrComputeCapabilityMinor) {
+        *value = attr == cudaDevAttrComputeCapabilityMajor ? sm / 10 : sm % 10;
+        return cudaSuccess;
+    }
+    *value = 0;
+    return cudaErrorInvalidValue;
+}
+inline cudaError_t cudaMemset(void* p, int value, size_t n) {
+    std::memset(p, value, n);
+    return cudaSuccess;
+}
 inline cudaError_t cudaGetDevice(int* device) {
     *device = 0;
     return cudaSuccess;

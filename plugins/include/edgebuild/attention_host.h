@@ -25,6 +25,11 @@ extern "C" {
 EB_HOST_EXPORT int32_t eb_host_abi_version(void);
 EB_HOST_EXPORT int32_t eb_host_params_size(void);
 
+/* eb_validate_attributes (attention_params.h): the attributes alone, no shape or tensor pointer
+ * (what the TensorRT plugin's createPlugin checks). Returns an EbStatus; message in err. */
+EB_HOST_EXPORT int32_t eb_host_validate_attributes(const EbAttentionParams* params, char* err,
+                                                   int32_t err_len);
+
 /* Runs the contract on host memory: validates attributes and data (page ids, lengths,
  * positions) before any write, then writes `out` and, with write_kv, the cache in place.
  * Returns an EbStatus; on error a message naming the field is written to err. */

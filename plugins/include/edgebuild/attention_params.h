@@ -98,9 +98,13 @@ static inline int32_t eb_fail(char* err, int32_t err_len, int32_t code, const ch
     return code;
 }
 
-/* Checks everything that does not need to read tensor contents. Returns EB_OK or an error
- * code with a message naming the field and the fix. */
-static inline int32_t eb_validate_params(const EbAttentionParams* p, char* err, int32_t err_len) {
+/* Checks the attributes alone (the plugin's PluginFieldCollection, plus io_dtype/kv_dtype and
+ * kv_scale): no shape except the attributes' own, no tensor pointer. This is what a TensorRT
+ * creator can check in createPlugin, where no tensor exists yet (the ONNX parser calls it with
+ * the node's attributes only). Returns EB_OK or EB_ERR_INVALID_ARGUMENT with a message naming
+ * the field and the fix. eb_validate_params runs it first. */
+static inline int32_t eb_validate_attributes(const EbAttentionParams* p, char* err,
+                                             int32_t err_len) {
     char msg[256];
     if (p == NULL) {
         return eb_fail(err, err_len, EB_ERR_INVALID_ARGUMENT, "params is NULL");
@@ -133,14 +137,12 @@ static inline int32_t eb_validate_params(const EbAttentionParams* p, char* err, 
                  p->page_size, p->sliding_window);
         return eb_fail(err, err_len, EB_ERR_INVALID_ARGUMENT, msg);
     }
-    if (p->batch < 0 || p->seq_len < 0 || p->num_pages < 0 || p->max_pages_per_seq < 0 ||
-        p->max_position < 0) {
-        return eb_fail(err, err_len, EB_ERR_INVALID_ARGUMENT,
-                       "batch, seq_len, num_pages, max_pages_per_seq and max_position must be >= 0");
-    }
-    if (p->rotary_dim > 0 && p->max_position <= 0) {
-        return eb_fail(err, err_len, EB_ERR_INVALID_ARGUMENT,
-                       "rope_cos_sin has no rows (max_position = 0) but rotary_dim > 0");
+    if ((p->causal != 0 && p->causal != 1) || (p->write_kv != 0 && p->write_kv != 1) ||
+        (p->qk_norm != 0 && p->qk_norm != 1) || (p->has_tree_mask != 0 && p->has_tree_mask != 1)) {
+        snprintf(msg, sizeof(msg),
+                 "causal (%d), write_kv (%d), qk_norm (%d) and has_tree_mask (%d) must be 0 or 1",
+                 p->causal, p->write_kv, p->qk_norm, p->has_tree_mask);
+        return eb_fail(err, err_len, EB_ERR_INVALID_ARGUMENT, msg);
     }
     if (p->io_dtype < EB_DTYPE_FLOAT32 || p->io_dtype > EB_DTYPE_BFLOAT16) {
         snprintf(msg, sizeof(msg), "io_dtype %d must be float32 (0), float16 (1) or bfloat16 (2)",
@@ -155,6 +157,27 @@ static inline int32_t eb_validate_params(const EbAttentionParams* p, char* err, 
         snprintf(msg, sizeof(msg), "kv_scale (%g) must be > 0 for an fp8 KV cache",
                  (double)p->kv_scale);
         return eb_fail(err, err_len, EB_ERR_INVALID_ARGUMENT, msg);
+    }
+    return EB_OK;
+}
+
+/* Checks one call: the attributes (eb_validate_attributes), then the shapes and the tensor
+ * pointers (everything that does not need to read tensor contents). Run where the tensors
+ * exist: the host build, the CUDA launcher (the plugin's enqueue). Returns EB_OK or an error
+ * code with a message naming the field and the fix. */
+static inline int32_t eb_validate_params(const EbAttentionParams* p, char* err, int32_t err_len) {
+    const int32_t status = eb_validate_attributes(p, err, err_len);
+    if (status != EB_OK) {
+        return status;
+    }
+    if (p->batch < 0 || p->seq_len < 0 || p->num_pages < 0 || p->max_pages_per_seq < 0 ||
+        p->max_position < 0) {
+        return eb_fail(err, err_len, EB_ERR_INVALID_ARGUMENT,
+                       "batch, seq_len, num_pages, max_pages_per_seq and max_position must be >= 0");
+    }
+    if (p->rotary_dim > 0 && p->max_position <= 0) {
+        return eb_fail(err, err_len, EB_ERR_INVALID_ARGUMENT,
+                       "rope_cos_sin has no rows (max_position = 0) but rotary_dim > 0");
     }
     if (p->batch > 0 && p->seq_len > 0 &&
         (p->qkv == NULL || p->past_lengths == NULL || p->input_lengths == NULL ||

@@ -1,0 +1,121 @@
+"""Linear layers packed once at load for the CPU runtime (fused, oneDNN-blocked, row-invariant).
+
+The models keep their ``nn.Linear`` modules, named as the checkpoint (``q_proj``, ``gate_proj``,
+...), for loading, ``state_dict`` and export. For eager CPU inference a model may additionally
+hold :class:`PackedLinear` copies: several linears that read the same input fused along their
+output features (q/k/v, gate/up), with the weight reordered once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, the format inductor's CPU freezing pass uses).
+
+Why, measured on the 2-core AVX512-BF16 host (bench/README.md): a bf16 ``F.linear`` with one
+row reads its weight at about half the bandwidth of the packed kernel, and ``F.linear``'s
+result for a row changes with the number of rows in the call (above 32 rows in bf16) while the
+packed bf16 kernel's does not up to ``MAX_INVARIANT_ROWS``. Calls with more rows are split into
+chunks of at most that many rows, so in bf16 the bits of a row never depend on how many rows
+share a pass (tests/test_batch_invariance.py checks this for every packed shape of the real
+model). fp32 has no row-invariant kernel here (MKL's and oneDNN's fp32 results for a row both
+change with the row count): a 1-row fp32 call runs ``F.linear`` on the fused weight (faster
+than the packed kernel for one row), more rows the packed kernel (faster for 8 rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_INVARIANT_ROWS = 64  # rows per oneDNN call (checked row-invariant at 1 and 2 threads)
+QUANT_MODES = ("int8",)  # weight-only modes of PackedLinear (opt-in: `--quant int8`)
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packed linears can run here for ``dtype`` (fp32 / bf16 on mkldnn builds)."""
+    return bool(torch.backends.mkldnn.is_available()) and dtype in (torch.float32, torch.bfloat16)
+
+
+class PackedLinear:
+    """One or more linears over the same input, fused along out features and packed.
+
+    Args:
+        linears: modules with ``weight [out_i, in]`` (all the same ``in`` and dtype) and
+            optional ``bias [out_i]``.
+        quant: None (the weights as they are) or ``"int8"``: weight-only symmetric int8 with
+            one scale per output feature (``scale = max|w| / 127``, ``w_q = round(w / scale)``),
+            run by ``torch.ops.aten._weight_int8pack_mm`` (half the bytes of bf16; outputs
+            differ from the unquantized model's, so it is opt-in).
+
+    Calling it maps ``x [..., in]`` to ``[..., sum(out_i)]`` in x's dtype, the concatenation
+    of each module's output, in order (equal within rounding to ``torch.cat([m(x) ...])``).
+    Holds its own copy of the weights (the modules keep theirs for state_dict and export).
+
+    Raises:
+        ValueError: modules whose input width or dtype differ, or an unknown ``quant``.
+    """
+
+    def __init__(self, linears: list[nn.Linear], quant: str | None = None):
+        weights = [m.weight.detach() for m in linears]
+        if len({w.shape[1] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+            raise ValueError(
+                "PackedLinear: fused linears must share the input width and dtype, got "
+                f"{[(tuple(w.shape), w.dtype) for w in weights]}"
+            )
+        fused = torch.cat(weights, dim=0).contiguous()
+        self.in_features, self.out_features = fused.shape[1], fused.shape[0]
+        self.splits = [w.shape[0] for w in weights]
+        self.dtype = fused.dtype
+        biases = [m.bias for m in linears]
+        if any(b is not None for b in biases):
+            self.bias = torch.cat(
+                [
+                    b.detach() if b is not None else fused.new_zeros(w.shape[0])
+                    for b, w in zip(biases, weights, strict=True)
+                ]
+            )
+        else:
+            self.bias = None
+        if quant is not None and quant not in QUANT_MODES:
+            raise ValueError(f"PackedLinear: quant {quant!r} is not one of {QUANT_MODES}")
+        self.quant = quant
+        self.single_row = None
+        if quant == "int8":
+            scale = fused.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+            q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
+            self.weight, self.scales, self.packed = q.to(torch.int8).contiguous(), scale, True
+            return
+        self.packed = packing_available(fused.dtype)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(fused, 1) if self.packed else fused
+        # fp32 is not row-invariant either way: one row is faster through F.linear (MKL gemv)
+        self.single_row = fused if self.packed and fused.dtype == torch.float32 else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if not self.packed:
+            return F.linear(x2, self.weight, self.bias).reshape(*lead, self.out_features)
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        rows = x2.shape[0]
+        if rows == 1 and self.single_row is not None:
+            y = F.linear(x2, self.single_row, self.bias)
+        elif rows <= MAX_INVARIANT_ROWS:
+            y = self._mm(x2)
+        else:
+            y = torch.cat(
+                [
+                    self._mm(x2[i : i + MAX_INVARIANT_ROWS])
+                    for i in range(0, rows, MAX_INVARIANT_ROWS)
+                ]
+            )
+        return y.reshape(*lead, self.out_features)
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.quant == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales.to(x2.dtype))
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")
+
+
+def use_packed(packed: PackedLinear | None) -> bool:
+    """True when an eager CPU forward should run ``packed`` (never under export / compile)."""
+    return packed is not None and not (
+        torch.compiler.is_exporting() or torch.compiler.is_compiling()
+    )

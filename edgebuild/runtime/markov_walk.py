@@ -1,0 +1,119 @@
+"""The DSpark Markov walk over a top-k lattice, shared by the torch and TensorRT drafts.
+
+A lattice (spec/draft-checkpoint-formats.md section 3, "Top-k pruning"; the form of the
+exported ``draft`` graph, :mod:`edgebuild.export.graphs`) describes one proposal block per
+sequence without any vocabulary-sized tensor:
+
+- ``cand [B, n, K]``: the top-k token ids of the base logits of block row l;
+- ``scores [B, n, K(i), K(j)]``: the walk's score of candidate j at slot l when the previous
+  token is candidate i of slot l-1 (slot 0: the anchor, the same for every i);
+- ``confidence [B, n, K(i)]``: the acceptance probability of slot l given that previous token.
+
+The walk goes left to right: slot 0 reads row 0, slot l reads the row of the candidate chosen
+at slot l-1. A greedy request takes the argmax (q one-hot on the candidates); a sampled one
+draws from ``softmax(scores / T)`` by inverse CDF with uniforms drawn up front from the
+request's own generator (``n`` per proposal, so a request's draws never depend on its batch).
+The walk is vectorised over the batch: one small gather per slot, no per-request loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgebuild.runtime.backend import Proposal
+from edgebuild.runtime.sampling import SamplingParams
+
+
+def draw_rows(
+    scores: torch.Tensor,  # fp32 [B, K] scores of each row's candidates
+    greedy: torch.Tensor,  # bool [B]
+    temperature: torch.Tensor,  # fp32 [B] (ignored where greedy)
+    uniforms: torch.Tensor,  # fp32 [B] in [0, 1) (ignored where greedy)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row: (q fp32 [B, K] the distribution drawn from, choice int64 [B]).
+
+    Greedy rows: q is one-hot at the argmax (first index on ties). Sampled rows:
+    q = softmax(scores / T) and the choice is the first index whose cumulative probability
+    exceeds ``u`` (inverse CDF, accumulated in float64; zero-probability candidates are never
+    chosen).
+    """
+    choice = scores.argmax(-1)
+    q = torch.nn.functional.one_hot(choice, scores.shape[-1]).to(torch.float32)
+    if bool((~greedy).any()):
+        rows = (~greedy).nonzero().squeeze(-1)
+        t = temperature[rows].clamp_min(1e-5)[:, None]
+        probs = torch.softmax(scores[rows].float() / t, dim=-1)
+        choice[rows] = inverse_cdf(probs, uniforms[rows])
+        q[rows] = probs
+    return q, choice
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of ``probs [R, V]`` (need not sum to 1) with ``uniforms [R]``.
+
+    Returns int64 [R]: the first index whose float64 cumulative sum exceeds ``u * total``;
+    an index of zero probability is never returned.
+    """
+    cdf = probs.double().cumsum(-1)
+    target = uniforms.double().clamp(0.0, 1.0 - 1e-12) * cdf[:, -1]
+    idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    idx = idx.clamp_max(probs.shape[-1] - 1)
+    # rounding at the very end can land on a trailing zero: step back to the last positive
+    bad = probs.gather(1, idx[:, None]).squeeze(-1) <= 0
+    if bool(bad.any()):
+        last = (probs > 0).cumsum(-1).argmax(-1)  # the last index of positive probability
+        idx = torch.where(bad, last, idx)
+    return idx
+
+
+def walk_uniforms(params: list[SamplingParams], generators: list, n_max: int) -> torch.Tensor:
+    """fp32 [B, n_max] uniforms for the walk: drawn from each sampled request's generator."""
+    u = torch.zeros(len(params), n_max)
+    for b, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy and n_max:
+            u[b] = torch.rand(n_max, generator=g)
+    return u
+
+
+def walk_lattice(
+    cand: torch.Tensor,  # int [B, n, K] candidate ids per block row
+    scores: torch.Tensor,  # fp32 [B, n, K(i), K(j)]
+    confidence: torch.Tensor | None,  # fp32 [B, n, K(i)] or None (no confidence head)
+    num_tokens: list[int],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> list[Proposal]:
+    """Walk every sequence's lattice (module docstring); returns one Proposal each.
+
+    Proposal b holds ``num_tokens[b]`` drafts, ``q [n_b, K]`` over ``q_ids = cand[b, :n_b]``
+    and the confidence of each drafted slot (ones without a confidence head).
+
+    Raises:
+        ValueError: more drafts asked for than the lattice has slots.
+    """
+    batch = cand.shape[0]
+    n_max = max(num_tokens, default=0)
+    if n_max > cand.shape[1]:
+        raise ValueError(f"{n_max} drafts asked for, the lattice has {cand.shape[1]} slots")
+    cand = cand.long()
+    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+    temps = torch.tensor([float(p.temperature) for p in params], dtype=torch.float32)
+    uniforms = walk_uniforms(params, generators, n_max)
+    ar = torch.arange(batch)
+    prev = torch.zeros(batch, dtype=torch.long)  # slot 0 reads row 0 (the anchor)
+    k_width = cand.shape[-1]
+    q = torch.zeros(batch, n_max, k_width)
+    conf = torch.ones(batch, n_max)
+    choice = torch.zeros(batch, n_max, dtype=torch.long)
+    for k in range(n_max):
+        row = scores[ar, k, prev].float()  # [B, K]
+        q[:, k], choice[:, k] = draw_rows(row, greedy, temps, uniforms[:, k])
+        if confidence is not None:
+            conf[:, k] = confidence[ar, k, prev].float()
+        prev = choice[:, k]
+    tokens = cand[:, :n_max].gather(2, choice.unsqueeze(-1)).squeeze(-1)  # [B, n_max]
+    listed = tokens.tolist()
+    return [
+        Proposal(listed[b][:n], q[b, :n], conf[b, :n], q_ids=cand[b, :n])
+        for b, n in enumerate(num_tokens)
+    ]

@@ -1,0 +1,60 @@
+"""The compute dtype: bf16 where the CPU has native bf16, fp32 elsewhere; flags name choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from edgebuild.errors import ConfigError
+from edgebuild.runtime import cpu
+
+REAL_DEFAULT = cpu.default_compute_dtype  # captured at collection, before conftest's fp32 patch
+
+SAPPHIRE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+SKYLAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+ARM_V86 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+ORIN = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics\n"
+
+
+@pytest.mark.parametrize(
+    "text,native", [(SAPPHIRE, True), (SKYLAKE, False), (ARM_V86, True), (ORIN, False), ("", False)]
+)
+def test_native_bf16_is_read_from_the_cpu_flags(text, native):
+    info = cpu.cpu_bf16_support(text)
+    assert info.native is native
+    assert info.reason.startswith("native bf16") is native
+
+
+def test_resolve_dtype_names_and_refusals():
+    assert cpu.resolve_dtype("bf16") is torch.bfloat16
+    assert cpu.resolve_dtype("float32") is torch.float32
+    assert cpu.resolve_dtype(torch.bfloat16) is torch.bfloat16
+    with pytest.raises(ConfigError, match="float16"):
+        cpu.resolve_dtype("float16")
+    with pytest.raises(ConfigError, match="not supported"):
+        cpu.resolve_dtype(torch.float16)
+
+
+def test_auto_follows_the_detection(monkeypatch):
+    monkeypatch.setattr(cpu, "default_compute_dtype", REAL_DEFAULT)
+    monkeypatch.setattr(cpu, "cpu_bf16_support", lambda text=None: cpu.CpuBf16(True, ("x",), ""))
+    assert cpu.resolve_dtype("auto") is torch.bfloat16
+    monkeypatch.setattr(cpu, "cpu_bf16_support", lambda text=None: cpu.CpuBf16(False, (), ""))
+    assert cpu.resolve_dtype(None) is torch.float32
+
+
+def test_default_threads_leave_one_core(monkeypatch):
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert cpu.default_cpu_threads() == 1
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert cpu.default_cpu_threads() == 7
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert cpu.default_cpu_threads() == 1
+
+
+def test_run_refuses_an_unknown_dtype_by_name(tmp_path):
+    from edgebuild.cli import main
+
+    res = CliRunner().invoke(main, ["run", str(tmp_path), "--prompt", "x", "--dtype", "fp16"])
+    assert res.exit_code == 2 and "fp16" in res.output
