@@ -29,8 +29,9 @@ DEMO_SPEC := {"method":"dspark","model":"$(DRAFT)","num_speculative_tokens":7}
 
 # Prepares both example targets (BF16, and NVFP4 with an NVFP4 lm_head; skipped when present),
 # then runs the pair with DSpark and target-only in the same process: text, tau, speedup.
-# One intra-op thread: the decode step's many small ops ran ~20x slower with two OpenMP threads
-# while other jobs shared the 2 cores of this host (DSpark 0.45 vs 9 tok/s).
+# One intra-op thread (also the runtime's default on 2 cores: cores - 1): two OpenMP threads ran
+# ~5-20x slower while other jobs shared the 2 cores of this host (DSpark 0.45 vs 9 tok/s).
+# The compute dtype is bf16 here (native AVX512-BF16); DSpark's output equals target-only's.
 demo: venv
 	$(EB) example prepare -o $(EXAMPLE)
 	OMP_NUM_THREADS=1 $(EB) run $(EXAMPLE) --prompt "The capital of France is" --max-tokens 12

@@ -42,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DRAFT_DEFAULT = ROOT / "edgebuild" / "data" / "smollm2-135m-dspark"
 
 
 def eval_prompts(n: int) -> list[str]:
@@ -60,19 +61,36 @@ class Engine:
         raise NotImplementedError
 
 
+_LOADED: dict = {}
+
+
+def shared_llm(target, draft, dtype, quant):
+    """One LLM (target + draft) per dtype / quant: every thread count and both modes share it
+    (target-only is the same target with the target-only decoder, as `edgebuild run --compare`)."""
+    from edgebuild.runtime.llm import LLM, RuntimeOptions
+
+    key = (dtype, quant)
+    if key not in _LOADED:
+        spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7}
+        opts = RuntimeOptions(dtype=DTYPES[dtype], max_kv_rows=4096, quant=quant)
+        _LOADED[key] = LLM(target, speculative=spec, options=opts)
+    return _LOADED[key]
+
+
 class Edgebuild(Engine):
     def __init__(self, target, draft, dtype, threads, n, quant=None):
-        from edgebuild.runtime.llm import LLM, RuntimeOptions
+        import copy
 
-        spec = None
-        if draft is not None:
-            spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7}
+        from edgebuild.runtime.decoding import TargetOnlyDecoder
+
         q = f" {quant}" if quant else ""
         self.name = f"edgebuild {'DSpark' if draft else 'target-only'} {dtype}{q} t{threads}"
         self.threads, self.dtype, self.quant, self.dspark = threads, dtype, quant, draft is not None
-        torch.set_num_threads(threads)
-        opts = RuntimeOptions(dtype=DTYPES[dtype], max_kv_rows=4096, quant=quant)
-        self.llm = LLM(target, speculative=spec, options=opts)
+        llm = shared_llm(target, DRAFT_DEFAULT if draft is None else draft, dtype, quant)
+        if draft is None:
+            llm = copy.copy(llm)
+            llm.decoder, llm.speculative = TargetOnlyDecoder(llm.target), None
+        self.llm = llm
 
     def run(self, ids, n):
         from edgebuild.runtime.sampling import SamplingParams
@@ -91,7 +109,7 @@ class Edgebuild(Engine):
         ctx = (prompt_ids * 8)[:64]
         st = llm.new_request(ctx, SamplingParams(max_tokens=512))
         dec.step([st])  # prefill
-        taps = getattr(dec, "taps", ())
+        taps = getattr(dec, "taps", ()) or tuple(llm.draft.target_layer_ids)  # as DSpark pays
         tgt = llm.target
 
         def decode():
