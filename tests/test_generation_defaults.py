@@ -130,3 +130,26 @@ def test_a_mistyped_generation_config_is_refused_naming_the_file(tmp_path, targe
     result = CliRunner().invoke(main, ["inspect", str(d)])
     assert result.exit_code == 2, result.output
     assert str(d / "generation_config.json") in result.stderr and "eos_token_id" in result.stderr
+
+
+def test_the_server_fills_left_out_sampling_fields_from_generation_config(tmp_path, target):
+    """vLLM's `--generation-config auto`: a field the request leaves out takes the file's
+    value; fields the file does not set keep the OpenAI defaults; the request's own win."""
+    import shutil
+
+    from edgebuild.serve.config import ServeConfig, ServeState
+    from edgebuild.serve.protocol import CompletionRequest
+
+    d = tmp_path / "sampled"
+    shutil.copytree(target, d)
+    _generation_config(d, eos_token_id=EOS, do_sample=True, temperature=0.6, top_k=20)
+    state = ServeState.from_llm(ServeConfig(model=d), LLM(d))
+    assert state.sampling_defaults == {"temperature": 0.6, "top_k": 20}
+    left_out = CompletionRequest(model="m", prompt="t1").sampling_params(8, state.sampling_defaults)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 1.0, 20)
+    given = CompletionRequest(model="m", prompt="t1", temperature=0.0, top_k=0)
+    own = given.sampling_params(8, state.sampling_defaults)
+    assert (own.temperature, own.top_k) == (0.0, 0)
+    plain = ServeState.from_llm(ServeConfig(model=target), LLM(target))
+    assert plain.sampling_defaults == {}
+    assert CompletionRequest(model="m", prompt="t1").sampling_params(8, {}).temperature == 1.0

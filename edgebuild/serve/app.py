@@ -165,7 +165,7 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
     """SamplingParams with the limits checked (prompt length, prompt + max_tokens)."""
     room = state.max_model_len - len(prompt_ids) - state.spec_tokens
     default = 16 if isinstance(req, CompletionRequest) else max(1, room)
-    params = req.sampling_params(default)
+    params = req.sampling_params(default, state.sampling_defaults)
     vocab = state.llm.config.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")

@@ -139,6 +139,16 @@ class ServeState:
         return self.llm.options.max_input_len * max(MIN_CHARS_PER_TOKEN, longest)
 
     @property
+    def sampling_defaults(self) -> dict:
+        """temperature / top_p / top_k that the model's generation_config.json sets (only
+        those): a request that leaves one out gets it (vLLM's ``--generation-config auto``)."""
+        gen = getattr(self.llm, "generation", None)
+        if gen is None:
+            return {}
+        values = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
+        return {k: v for k, v in values.items() if v is not None}
+
+    @property
     def spec_tokens(self) -> int:
         spec = self.llm.speculative
         return spec.num_speculative_tokens if spec is not None else 0

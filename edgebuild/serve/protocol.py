@@ -157,8 +157,14 @@ class _GenerationRequest(_Strict):
         """The token budget the client asked for (None = server default)."""
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams for this request (OpenAI defaults: temperature 1, top_p 1).
+    def sampling_params(
+        self, default_max_tokens: int, defaults: dict | None = None
+    ) -> SamplingParams:
+        """SamplingParams for this request.
+
+        A field the request leaves out takes ``defaults`` (the values the model's
+        ``generation_config.json`` sets, vLLM's ``--generation-config auto``), else the OpenAI
+        default (temperature 1, top_p 1, top_k off).
 
         Raises:
             APIError: 400 for out-of-range values (max_tokens < 1, temperature, top_p...).
@@ -166,12 +172,13 @@ class _GenerationRequest(_Strict):
         max_tokens = self.requested_max_tokens()
         if max_tokens is not None and max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(defaults or {})}
         try:
             return SamplingParams(
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0,
+                temperature=base["temperature"] if self.temperature is None else self.temperature,
+                top_p=base["top_p"] if self.top_p is None else self.top_p,
+                top_k=base["top_k"] if self.top_k is None else self.top_k,
                 seed=self.seed,
                 stop=self.stop or (),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
