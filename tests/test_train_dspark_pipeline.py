@@ -232,7 +232,7 @@ def test_pack_unpack_round_trips_the_answers(smollm2_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True)
     g = random.Random(1)
     rows = []
-    for i, r in enumerate(datagen.make_pool(0)[:9]):
+    for r in datagen.make_pool(0)[:9]:
         a = [g.randrange(0, 49152) for _ in range(g.randint(1, 30))]
         rows.append({**r, "prompt_ids": chat_ids(tok, r["prompt"]), "answer_ids": a})
     src = tmp_path / "answers.jsonl"
