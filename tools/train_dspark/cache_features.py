@@ -83,7 +83,7 @@ def load_shards(folder: Path, max_answer_tokens: int = 0) -> list[dict]:
     seqs: list[dict] = []
     n_ans = 0
     for shard in sorted(folder.glob("shard-[0-9]*")):
-        if not shard.is_dir():
+        if not shard.is_dir() or shard.name.endswith(".tmp"):  # .tmp: being written
             continue
         m = json.loads((shard / "index.json").read_text())
         arr = {k: _mmap(shard / f"{k}.npy") for k in ("ids", "taps", "final", "topk")}

@@ -306,6 +306,7 @@ def main() -> None:
     ap.add_argument("--taps", type=int, nargs="+", default=[1, 14, 27], help="with --answers")
     ap.add_argument("--topk", type=int, default=32, help="with --answers")
     ap.add_argument("--stop-after", type=int, default=0, help="stop (saved) at this step")
+    ap.add_argument("--val-first", action="store_true", help="also validate before step 1")
     ap.add_argument(
         "--resume-from",
         type=Path,
@@ -413,6 +414,12 @@ def main() -> None:
     log = log_path.open("a" if first else "w")
     t0 = time.perf_counter()
     elapsed0 = json.loads(kept[-1])["elapsed_s"] if kept else 0.0
+    if val and args.val_first and first == 0:
+        rec0 = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
+        rec0["val"] = validate(model, val, args.anchors, args.seqs_per_step, args.seed, args.device)
+        log.write(json.dumps(rec0) + "\n")
+        log.flush()
+        print(json.dumps(rec0), flush=True)
     for step in range(first, args.steps):
         if len(order) < args.seqs_per_step:
             more = list(range(len(seqs)))
