@@ -283,3 +283,14 @@ def test_gpu_script_dry_run_on_the_cpu_writes_a_repo_layout_draft(smollm2_dir, t
     assert (data / "answers.npz").is_file() and (data / "prompts.jsonl.gz").is_file()
     log = [json.loads(x) for x in (tmp_path / "gpu" / "run" / "train_log.jsonl").open()]
     assert [r["step"] for r in log] == [1, 2] and "val" in log[-1]
+
+
+def test_self_instruct_prompts_take_their_share_of_every_prefix():
+    pool = [{"id": f"p{i}", "source": "template", "prompt": f"p{i}"} for i in range(300)]
+    si = [{"id": f"s{i}", "source": "self-instruct", "prompt": f"s{i}"} for i in range(50)]
+    rows = datagen.mixed_prompts(pool, si, 0, 0.25)
+    assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in pool + si)
+    for n in (4, 40, 160):
+        share = sum(r["source"] == "self-instruct" for r in rows[:n]) / n
+        assert abs(share - 0.25) <= 1 / n + 1e-9, (n, share)
+    assert all(r["source"] == "template" for r in rows[-50:])  # self-instruct ran out
