@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from edgebuild.runtime.llm import LLM
+from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.speculative import default_draft_top_k
 from tools.train_dspark.prompts import DATA_DIR, read_jsonl
@@ -34,7 +34,8 @@ def run_pair(target: Path, draft: Path, prompts: list[str], args) -> dict:
     spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": args.n}
     if args.top_k is not None:  # else the draft's markov_topk (config.json), else 16
         spec["draft_top_k"] = args.top_k
-    llm = LLM(target, speculative=spec)
+    options = None if args.dtype is None else RuntimeOptions(dtype=getattr(torch, args.dtype))
+    llm = LLM(target, speculative=spec, options=options)
     from edgebuild.runtime.decoding import TargetOnlyDecoder
 
     spec_decoder, base_decoder = llm.decoder, TargetOnlyDecoder(llm.target)
@@ -111,6 +112,9 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=None, help="default: the draft's markov_topk")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=None, help="default: the runtime's"
+    )
     ap.add_argument("--report-only", action="store_true", help="Merge eval_*.json, plot.")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -129,6 +133,7 @@ def main() -> None:
             num_speculative_tokens=args.n,
             draft_top_k=default_draft_top_k(args.draft) if args.top_k is None else args.top_k,
             greedy=True,
+            dtype=args.dtype or "runtime default",
             eval_wall_s=round(time.perf_counter() - t0, 1),
         )
         (args.out / f"eval_{pair}.json").write_text(json.dumps(result, indent=2) + "\n")

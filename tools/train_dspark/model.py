@@ -162,6 +162,16 @@ class AnchorBatch:
     anchors: torch.Tensor
     anchor_valid: torch.Tensor
 
+    def to(self, device) -> AnchorBatch:
+        """The same batch on ``device``."""
+        return AnchorBatch(
+            self.features.to(device),
+            self.ids.to(device),
+            self.lengths.to(device),
+            self.anchors.to(device),
+            self.anchor_valid.to(device),
+        )
+
 
 def block_ids_and_positions(
     batch: AnchorBatch, block_size: int, mask_id: int
@@ -169,9 +179,9 @@ def block_ids_and_positions(
     """Block input ids [B, A, Bs] (anchor then masks) and their positions s+i [B, A, Bs]."""
     anchors = batch.anchors
     anchor_ids = batch.ids.gather(1, anchors)  # [B, A]
-    ids = torch.full((*anchors.shape, block_size), mask_id, dtype=torch.long)
+    ids = torch.full((*anchors.shape, block_size), mask_id, dtype=torch.long, device=anchors.device)
     ids[..., 0] = anchor_ids
-    pos = anchors[..., None] + torch.arange(block_size)
+    pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)
     return ids, pos
 
 
@@ -179,9 +189,10 @@ def attention_mask(batch: AnchorBatch, block_size: int) -> torch.Tensor:
     """bool [B, A*Bs, T + A*Bs]: block rows see context < s and their own block."""
     b, t = batch.ids.shape
     a = batch.anchors.shape[1]
-    ctx = torch.arange(t)[None, None, :] < batch.anchors[..., None]  # [B, A, T]
+    dev = batch.ids.device
+    ctx = torch.arange(t, device=dev)[None, None, :] < batch.anchors[..., None]  # [B, A, T]
     ctx = ctx[:, :, None, :].expand(b, a, block_size, t).reshape(b, a * block_size, t)
-    own = torch.eye(a, dtype=torch.bool).repeat_interleave(block_size, 0)
+    own = torch.eye(a, dtype=torch.bool, device=dev).repeat_interleave(block_size, 0)
     own = own.repeat_interleave(block_size, 1)  # [A*Bs, A*Bs]
     mask = torch.cat([ctx, own[None].expand(b, -1, -1)], dim=-1)
     # padding anchors: let them see themselves only (their loss is masked out)
@@ -199,8 +210,8 @@ def train_forward(model: DSparkDraft, batch: AnchorBatch) -> torch.Tensor:
     b, t = batch.ids.shape
     a = batch.anchors.shape[1]
     ids, pos = block_ids_and_positions(batch, bs, cfg.mask_token_id)
-    table = model.rope_table(int(max(t, int(pos.max()) + 1)))
-    ctx_pos = torch.arange(t)[None].expand(b, t)
+    table = model.rope_table(int(max(t, int(pos.max()) + 1))).to(ids.device)
+    ctx_pos = torch.arange(t, device=ids.device)[None].expand(b, t)
     blk_pos = pos.reshape(b, a * bs)
     context = model.hidden_norm(F.linear(batch.features.float(), model.fc.weight.float()))
     x = model.embed_tokens(ids.reshape(b, a * bs))  # [B, A*Bs, d]
@@ -229,14 +240,14 @@ def train_forward(model: DSparkDraft, batch: AnchorBatch) -> torch.Tensor:
 
 def markov_prev_ids(batch: AnchorBatch, block_size: int) -> torch.Tensor:
     """Teacher-forced previous tokens [B, A, Bs]: ``prev_k = x[s + k]`` (anchor for k = 0)."""
-    pos = batch.anchors[..., None] + torch.arange(block_size)
+    pos = batch.anchors[..., None] + torch.arange(block_size, device=batch.ids.device)
     pos = pos.clamp_max(batch.ids.shape[1] - 1)
     return batch.ids.gather(1, pos.reshape(pos.shape[0], -1)).reshape(pos.shape)
 
 
 def labels_and_valid(batch: AnchorBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row k of block j predicts ``x[s_j + k + 1]``: labels and validity, each [B, A, Bs]."""
-    pos = batch.anchors[..., None] + torch.arange(1, block_size + 1)
+    pos = batch.anchors[..., None] + torch.arange(1, block_size + 1, device=batch.ids.device)
     valid = (pos < batch.lengths[:, None, None]) & batch.anchor_valid[..., None]
     pos = pos.clamp_max(batch.ids.shape[1] - 1)
     labels = batch.ids.gather(1, pos.reshape(pos.shape[0], -1)).reshape(pos.shape)

@@ -54,15 +54,15 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, pad_id: int, e
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
         do_sample=False,
         max_new_tokens=max_new,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
     answers = []
-    for row in out[:, width:].tolist():
+    for row in out[:, width:].cpu().tolist():
         answers.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
     return answers
 
@@ -77,9 +77,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok, model = load_target(args.target, getattr(torch, args.dtype))
+    model.to(args.device)
     eos = int(model.generation_config.eos_token_id or tok.eos_token_id)
     rows = read_jsonl(args.prompts)
     if args.limit:
