@@ -35,23 +35,7 @@ from tools.train_dspark import cache_features, datagen, train  # noqa: E402
 from tools.train_dspark.prompts import DATA_DIR, TOPICS, read_jsonl  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
-
-
-def _tiny_target(path: Path) -> Path:
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
+from test_train_dspark_forward import _tiny_target  # noqa: E402  (one tiny target for both)
 
 
 def _sequences(n: int, seed: int = 0) -> list[dict]:
