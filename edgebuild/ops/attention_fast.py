@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edgebuild.ops.norm import rms_norm
-from edgebuild.ops.rope import apply_rope
+from edgebuild.ops.rope import apply_rope, check_positions, rotate_with
 
 KEY_ALIGN = 32  # key columns of a row-invariant step are padded to a multiple of this
 ROW_INVARIANT_MAX_ROWS = 16  # steps with at most this many new rows per sequence
@@ -216,11 +216,7 @@ def _rope_rows(plan: DensePlan, positions: Tensor, table: Tensor) -> tuple[Tenso
     key = ("rope", table.data_ptr(), tuple(table.shape))
     rows = plan._memo.get(key)
     if rows is None:
-        if positions.numel() and (positions.min() < 0 or positions.max() >= table.shape[0]):
-            raise ValueError(
-                f"positions span [{int(positions.min())}, {int(positions.max())}] but the rope "
-                f"table has {table.shape[0]} rows; build it with a larger max_position"
-            )
+        check_positions(positions, table)
         half = table.shape[1] // 2
         r = table.float()[positions.long()].unsqueeze(2)  # [B, S, 1, rotary_dim]
         rows = (r[..., :half], r[..., half:])
@@ -263,11 +259,7 @@ def _decode_step(
         qk = torch.cat([q, k], dim=2)
     rot = rope_cos_sin.shape[1]
     if rot:
-        cos, sin = _rope_rows(plan, positions, rope_cos_sin)
-        half = rot // 2
-        xf = qk.float()
-        x1, x2, rest = xf[..., :half], xf[..., half:rot], xf[..., rot:]
-        qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).to(dtype)
+        qk = rotate_with(qk, *_rope_rows(plan, positions, rope_cos_sin))
     wb, wi = plan.write_b, plan.write_i  # the valid rows
     out = heads.new_zeros(bsz, rows, hq * d)
     if not wb.numel():

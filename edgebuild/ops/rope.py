@@ -382,6 +382,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) ->
         raise ValueError(
             f"positions {tuple(positions.shape)} must be a prefix of x's shape {tuple(x.shape)}"
         )
+    check_positions(positions, table)
+    half = rotary_dim // 2
+    rows = table.float()[positions.long()]  # [*P, rotary_dim]
+    rows = rows.reshape(*positions.shape, *([1] * (x.dim() - lead - 1)), rotary_dim)
+    return rotate_with(x, rows[..., :half], rows[..., half:])
+
+
+def check_positions(positions: torch.Tensor, table: torch.Tensor) -> None:
+    """Raise ValueError unless ``positions`` are integers that index rows of ``table``."""
     if positions.is_floating_point():
         raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
     if positions.numel() and (positions.min() < 0 or positions.max() >= table.shape[0]):
@@ -389,10 +398,22 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) ->
             f"positions span [{int(positions.min())}, {int(positions.max())}] but the rope "
             f"table has {table.shape[0]} rows; build it with a larger max_position"
         )
-    half = rotary_dim // 2
-    rows = table.float()[positions.long()]  # [*P, rotary_dim]
-    rows = rows.reshape(*positions.shape, *([1] * (x.dim() - lead - 1)), rotary_dim)
-    cos, sin = rows[..., :half], rows[..., half:]
+
+
+def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The "rotate half" rotation of :func:`apply_rope` with its table rows already gathered.
+
+    Args:
+        x: ``[..., D]`` any float dtype.
+        cos, sin: fp32, broadcastable to ``x[..., :rotary_dim // 2]`` (the two halves of the
+            table rows at each position).
+
+    Returns:
+        ``x``'s shape and dtype: ``[x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest]`` computed
+        in fp32 and cast back once (channels past ``rotary_dim`` pass through).
+    """
+    half = cos.shape[-1]
+    rotary_dim = 2 * half
     xf = x.float()
     x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
