@@ -31,6 +31,24 @@ class PagedBatch:
     input_lengths: torch.Tensor
     positions: torch.Tensor
     _plans: dict = field(default_factory=dict, repr=False)
+    flat_valid: torch.Tensor | None = field(default=None, repr=False)
+
+    def packed_rows(self) -> torch.Tensor | None:
+        """bool [B, S] valid rows when this step is worth running unpadded, else None.
+
+        A decode / verify step (every sequence at most ``ROW_INVARIANT_MAX_ROWS`` new rows)
+        whose sequences have unequal row counts runs its linears over the valid rows only
+        (``[1, N, d]``, N = sum of input_lengths): a verify pass then costs what its rows
+        cost, not B x the longest row count. Row results are the same either way (the packed
+        linears and the decode attention are row-invariant), so this is a speed choice only.
+        """
+        from edgebuild.ops.attention_fast import ROW_INVARIANT_MAX_ROWS
+
+        bsz, rows = self.positions.shape
+        n = int(self.input_lengths.sum())
+        if bsz < 2 or rows > ROW_INVARIANT_MAX_ROWS or n == bsz * rows:
+            return None
+        return torch.arange(rows)[None, :] < self.input_lengths.long()[:, None]
 
     def plan(self, rows: int, page_size: int, causal: bool, write_kv: bool):
         """The eager fast path's DensePlan for this step (built once, shared by all layers)."""
@@ -101,8 +119,13 @@ def attention(
         )
     from edgebuild.ops.attention_fast import paged_attention_planned
 
+    valid = batch.flat_valid
+    if valid is not None:  # rows arrive unpadded [1, N, W]: pad for the plan, unpad after
+        padded = qkv.new_zeros(*valid.shape, qkv.shape[-1])
+        padded[valid] = qkv[0]
+        qkv = padded
     plan = batch.plan(qkv.shape[1], kv_cache.shape[3], causal, write_kv)
-    return paged_attention_planned(
+    out = paged_attention_planned(
         qkv,
         kv_cache,
         plan,
@@ -118,6 +141,9 @@ def attention(
         rms_norm_eps=rms_norm_eps,
         want_output=want_output,
     )
+    if valid is not None and out is not None:
+        out = out[valid].unsqueeze(0)
+    return out
 
 
 class RMSNorm(nn.Module):

@@ -144,6 +144,8 @@ class LLM:
             self.target, self.draft = rt.target, rt.draft
             self.decoder = rt.decoder(spec)
             self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
+            if spec is not None and spec.confidence_scheduling:
+                self.enable_confidence_scheduling(1)
             return
         self.options.dtype = resolve_dtype(self.options.dtype)
         if self.options.quant not in (None, *QUANT_MODES):
@@ -185,6 +187,63 @@ class LLM:
             self.draft = None
             self.decoder = TargetOnlyDecoder(self.target)
         self._ids = itertools.count()
+        if spec is not None and spec.confidence_scheduling:
+            self.enable_confidence_scheduling(1)
+
+    def enable_confidence_scheduling(self, max_batch: int, repeats: int = 2):
+        """Profile this backend's step costs up to `max_batch` requests and turn on
+        load-aware confidence scheduling (:mod:`edgebuild.runtime.spec_schedule`).
+
+        The profile runs dummy passes over a context of up to 128 rows per sequence (fewer
+        when the KV pool is small) and takes a few seconds; the server calls this once at
+        start-up with its ``--max-batch-size``. Returns the scheduler.
+
+        Raises:
+            ConfigError: no draft is loaded.
+        """
+        from edgebuild.runtime.spec_schedule import ConfidenceScheduler, profile_step_costs
+
+        if self.draft is None or not isinstance(self.decoder, DSparkDecoder):
+            raise ConfigError("confidence scheduling needs a speculative draft")
+        n = self.decoder.n
+        rows = self.target.allocator.num_pages * self.target.allocator.page_size
+        drows = self.draft.allocator.num_pages * self.draft.allocator.page_size
+        batch = max(
+            1, min(max_batch, rows // (n + 2 + 16), drows // (2 * self.draft.block_size + 16))
+        )
+        ctx = max(8, min(128, rows // batch - n - 2, drows // batch - 2 * self.draft.block_size))
+        taps = tuple(self.draft.target_layer_ids)
+        seqs, dseqs = [], []
+        params = SamplingParams(max_tokens=n + 2)
+        try:
+            for _ in range(batch):
+                seq, dseq = self.target.new_sequence(), self.draft.new_sequence()
+                seqs.append(seq)
+                dseqs.append(dseq)
+                ids = torch.arange(ctx, dtype=torch.int64) % self.config.vocab_size
+                out = self.target.forward([seq], [ids], [[ctx - 1]], taps)
+                self.draft.update_context([dseq], [out.taps[0].clone()])
+            anchor = int(ids[-1])
+
+            def verify_pass(lens: list[int]) -> None:
+                ss = seqs[: len(lens)]
+                new = [torch.full((k,), anchor, dtype=torch.int64) for k in lens]
+                self.target.forward(ss, new, [list(range(k)) for k in lens], taps)
+                for s, k in zip(ss, lens, strict=True):
+                    self.target.rollback(s, k)
+
+            def draft_pass(b: int, drafted: int) -> None:
+                gens = [torch.Generator() for _ in range(b)]
+                self.draft.propose(dseqs[:b], [anchor] * b, [drafted] * b, [params] * b, gens)
+
+            costs = profile_step_costs(verify_pass, draft_pass, batch, n, repeats)
+        finally:
+            for s in seqs:
+                self.target.free(s)
+            for d in dseqs:
+                self.draft.free(d)
+        self.decoder.scheduler = ConfidenceScheduler(costs, n)
+        return self.decoder.scheduler
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

@@ -22,7 +22,14 @@ SUPPORTED_METHODS: dict[str, str] = {
     "dspark": "DSpark parallel block drafter with Markov and confidence heads",
 }
 PLANNED_METHODS = ("eagle3", "dflash")
-_KEYS = {"method", "model", "num_speculative_tokens", "draft_top_k", "confidence_threshold"}
+_KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "draft_top_k",
+    "confidence_threshold",
+    "confidence_scheduling",
+}
 DEFAULT_DRAFT_TOP_K = 16
 
 
@@ -66,6 +73,10 @@ class SpeculativeConfig:
         draft_top_k: candidates per position for the Markov walk (0 = full vocab); default:
             the draft's ``markov_topk`` (:func:`default_draft_top_k`), else 16.
         confidence_threshold: static confidence cutoff in [0, 1) (0 = off).
+        confidence_scheduling: load-aware confidence scheduling (DSpark Algorithm 1,
+            :mod:`edgebuild.runtime.spec_schedule`): per step and request, verify only the
+            drafts that pay for themselves under the current load; the static cutoff, when
+            set, still bounds each proposal first.
         draft_top_k_given: `draft_top_k` was set by the user (not defaulted): a backend
             that cannot honour it must refuse it.
     """
@@ -76,6 +87,7 @@ class SpeculativeConfig:
     draft_top_k: int = DEFAULT_DRAFT_TOP_K
     confidence_threshold: float = 0.0
     draft_top_k_given: bool = field(default=False, compare=False)
+    confidence_scheduling: bool = False
 
     @classmethod
     def parse(cls, value: str | dict) -> SpeculativeConfig:
@@ -131,7 +143,12 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-config: confidence_threshold must be in [0, 1), got {thr!r}"
             )
-        return cls(method, model, n, top_k, float(thr), "draft_top_k" in value)
+        sched = value.get("confidence_scheduling", False)
+        if not isinstance(sched, bool):
+            raise ConfigError(
+                f"--speculative-config: confidence_scheduling must be true or false, got {sched!r}"
+            )
+        return cls(method, model, n, top_k, float(thr), "draft_top_k" in value, sched)
 
     def check_block(self, block_size: int, source: str) -> None:
         """num_speculative_tokens must not exceed the draft's block_size (all-predicting)."""

@@ -117,6 +117,10 @@ class ServeState:
     def from_llm(cls, config: ServeConfig, llm: LLM, backend: BackendChoice | None = None):
         """A state around an already loaded LLM (the scheduler starts with the app)."""
         metrics = ServeMetrics(config.model_name)
+        spec = llm.speculative
+        metrics.speculative = spec is not None
+        if spec is not None and spec.confidence_scheduling:
+            metrics.attach_schedule(llm.enable_confidence_scheduling(config.max_batch_size))
         scheduler = Scheduler(llm, config.max_batch_size, config.max_queued_requests, metrics)
         return cls(config, llm, scheduler, metrics, backend or BackendChoice("torch", "given"))
 
