@@ -208,6 +208,8 @@ class LLM:
         n = self.decoder.n
         rows = self.target.allocator.num_pages * self.target.allocator.page_size
         drows = self.draft.allocator.num_pages * self.draft.allocator.page_size
+        limits = getattr(self.target, "limits", None)  # TensorRT: the engines' batch
+        max_batch = min(max_batch, getattr(limits, "max_batch", max_batch))
         batch = max(
             1, min(max_batch, rows // (n + 2 + 16), drows // (2 * self.draft.block_size + 16))
         )
