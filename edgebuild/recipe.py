@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from edgebuild.errors import ConfigError
-from edgebuild.runtime.speculative import SUPPORTED_METHODS
+from edgebuild.speculative.config import SUPPORTED_METHODS
 
 __all__ = ["Device", "Precision", "Recipe", "load_recipe"]
 
