@@ -150,7 +150,7 @@ def recipe_from_flags(
     where :class:`~edgebuild.models.dspark.DSparkConfig` reads it: top level, ``dspark_config``
     or ``dflash_config``);
     ``draft_top_k`` to the draft's ``markov_topk`` (else 16, see
-    :func:`edgebuild.runtime.speculative.default_draft_top_k`).
+    :func:`edgebuild.speculative.config.default_draft_top_k`).
     ``build`` holds the other ``build:`` keys (``max_batch_size``, ``max_input_len``, ...).
 
     Raises:
@@ -181,7 +181,7 @@ def recipe_from_flags(
             block, _ = read_dspark_field(dcfg, "block_size", int, str(path))  # as DSparkConfig
             num_speculative_tokens = min(block, MAX_SPECULATIVE_TOKENS)
         if draft_top_k is None:
-            from edgebuild.runtime.speculative import default_draft_top_k
+            from edgebuild.speculative.config import default_draft_top_k
 
             draft_top_k = default_draft_top_k(Path(draft))
         spec = SpeculativeSettings(
@@ -599,6 +599,8 @@ def build_bundle(recipe: Recipe, out: Path, options: BuildOptions | None = None)
         BundleError: ``out`` exists without ``force``.
         EngineError / MissingDependencyError: engine stage (a plugin graph without library).
     """
+    from edgebuild.engine.builder import record_profiles
+
     options = options or BuildOptions()
     plan = plan_build(recipe, options)
     with _Progress(options.progress) as progress, _staging(out, options.force) as tmp:
@@ -607,6 +609,7 @@ def build_bundle(recipe: Recipe, out: Path, options: BuildOptions | None = None)
         engines = _engines(plan, options, tmp, exported["roles"], progress)
         progress.stage("manifest (hashing files)", None)
         manifest = _manifest(plan, options, tmp, exported, engines)
+        record_profiles(manifest)  # what the runtime reads instead of recomputing them
         (tmp / MANIFEST_NAME).write_text(dumps(manifest), encoding="utf-8")
         progress.done()
     return BuildResult(Path(out).resolve(), manifest)

@@ -201,6 +201,39 @@ def profiles(
     return out
 
 
+def record_profiles(manifest: dict) -> dict:
+    """Write each role's optimization profiles into ``manifest`` (``roles.<role>.profiles``).
+
+    The record the runtime reads instead of recomputing them
+    (:func:`edgebuild.bundle.manifest.engine_profiles`): ``[{"name": ..., "shapes": {input:
+    [min_shape, opt_shape, max_shape]}}, ...]`` in engine order, computed by :func:`profiles`
+    from the manifest's ``build`` settings, ``speculative.num_speculative_tokens`` (0 without a
+    draft) and each role's declared ``inputs`` (the ``visual`` role: its ``vision`` fields).
+    Roles without ``inputs`` are left alone. Returns ``manifest`` (changed in place).
+
+    Raises:
+        ConfigError: an input axis without a range, a ``visual`` role without geometry.
+    """
+    build = BuildSettings(
+        **{
+            k: v
+            for k, v in (manifest.get("build") or {}).items()
+            if k in BuildSettings.model_fields
+        }
+    )
+    n = int((manifest.get("speculative") or {}).get("num_speculative_tokens", 0))
+    for role, entry in (manifest.get("roles") or {}).items():
+        if "inputs" not in entry:
+            continue
+        visual = VisualGeometry.from_role(entry) if role == "visual" else None
+        made = profiles(role, entry["inputs"], build, n, visual)
+        entry["profiles"] = [
+            {"name": name, "shapes": {k: [list(d) for d in v] for k, v in shapes.items()}}
+            for name, shapes in zip(profile_names(role), made, strict=True)
+        ]
+    return manifest
+
+
 def load_tensorrt(builder: str = "tensorrt") -> ModuleType:
     """Import ``tensorrt`` (or ``tensorrt_rtx``) lazily.
 

@@ -876,7 +876,7 @@ def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRu
     """
     from edgebuild.checkpoint.config import ModelConfig
     from edgebuild.checkpoint.source import WeightSource
-    from edgebuild.doctor import plugin_library_path
+    from edgebuild.engine.plugin_library import plugin_library_path
     from edgebuild.runtime.trt_engine import (
         TrtEngineRunner,
         load_plugin_library,
