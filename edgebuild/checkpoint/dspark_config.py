@@ -298,6 +298,30 @@ def _check_layout(cfg: Mapping, source: str, num_layers: int, vocab_size: int) -
             )
 
 
+def _packaging(draft_cfg: Mapping[str, Any], source: str) -> DSparkPackaging:
+    """The packaging named by ``architectures[0]``; the projector must be DSpark's.
+
+    Raises:
+        ConfigError: not a DSpark architecture (lists the supported ones), or a
+            ``projector_type`` other than "dspark".
+    """
+    arch = (draft_cfg.get("architectures") or [None])[0]
+    try:
+        packaging = DSparkPackaging(arch)
+    except ValueError:
+        supported = ", ".join(p.value for p in DSparkPackaging)
+        raise ConfigError(
+            f"{source}: architectures[0] is {arch!r}, not a DSpark draft; supported: {supported}"
+        ) from None
+    projector, _ = read_dspark_field(draft_cfg, "projector_type", str, source, "dspark")
+    if projector != "dspark":
+        raise ConfigError(
+            f"{source}: projector_type is {projector!r}; a DSpark draft has 'dspark' "
+            "(a DFlash or other projector is not a DSpark checkpoint)"
+        )
+    return packaging
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
     """A DSpark draft's config (HF key names), parsed by :meth:`from_dict`.
@@ -391,21 +415,7 @@ class DSparkConfig:
                 implemented (:func:`_check_layout`), bad rope, or any :meth:`validate` error.
             PairingError: from :meth:`validate`.
         """
-        arch = (draft_cfg.get("architectures") or [None])[0]
-        try:
-            packaging = DSparkPackaging(arch)
-        except ValueError:
-            supported = ", ".join(p.value for p in DSparkPackaging)
-            raise ConfigError(
-                f"{source}: architectures[0] is {arch!r}, not a DSpark draft; supported: "
-                f"{supported}"
-            ) from None
-        projector, _ = read_dspark_field(draft_cfg, "projector_type", str, source, "dspark")
-        if projector != "dspark":
-            raise ConfigError(
-                f"{source}: projector_type is {projector!r}; a DSpark draft has 'dspark' "
-                "(a DFlash or other projector is not a DSpark checkpoint)"
-            )
+        packaging = _packaging(draft_cfg, source)
         hidden = _top(draft_cfg, "hidden_size", int, source)
         heads = _top(draft_cfg, "num_attention_heads", int, source)
         layers = _top(draft_cfg, "num_hidden_layers", int, source)

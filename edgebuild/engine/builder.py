@@ -389,20 +389,8 @@ def build_engine(
     _parse(trt, network, logger, Path(onnx_path))
     config = trt_builder.create_builder_config()
     shapes = profiles(role, inputs, build, num_speculative_tokens, visual)
-    for shape in shapes:
-        profile = trt_builder.create_optimization_profile()
-        for name, (lo, opt, hi) in shape.items():
-            profile.set_shape(name, lo, opt, hi)
-        config.add_optimization_profile(profile)
-    if needs_plugin and hasattr(trt, "PreviewFeature"):
-        aliased = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
-        if aliased is not None:  # present_kv_cache really is kv_cache's memory
-            config.set_preview_feature(aliased, True)
     timing_cache = timing_cache if builder == "tensorrt" else None  # no-op in TensorRT-RTX
-    if timing_cache is not None:
-        path = Path(timing_cache)
-        cache = config.create_timing_cache(path.read_bytes() if path.is_file() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
+    _configure(trt, trt_builder, config, shapes, needs_plugin, timing_cache)
     serialized = trt_builder.build_serialized_network(network, config)
     if serialized is None:
         raise EngineError(f"{onnx_path}: TensorRT failed to build the {role} engine (see its log)")
@@ -418,6 +406,23 @@ def build_engine(
         str(plugin_library) if needs_plugin and plugin_library else None,
         str(timing_cache) if timing_cache else None,
     )
+
+
+def _configure(trt, trt_builder, config, shapes: list[dict], needs_plugin: bool, timing_cache):
+    """Optimization profiles (one per ``shapes`` entry), aliased plugin I/O, timing cache."""
+    for shape in shapes:
+        profile = trt_builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shape.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    if needs_plugin and hasattr(trt, "PreviewFeature"):
+        aliased = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
+        if aliased is not None:  # present_kv_cache really is kv_cache's memory
+            config.set_preview_feature(aliased, True)
+    if timing_cache is not None:
+        path = Path(timing_cache)
+        cache = config.create_timing_cache(path.read_bytes() if path.is_file() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
 
 
 def _atomic_write(path: Path, data) -> None:
