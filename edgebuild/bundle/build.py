@@ -43,9 +43,10 @@ from edgebuild.bundle.manifest import (
     stale_staging,
 )
 from edgebuild.checkpoint.config import ModelConfig
+from edgebuild.checkpoint.draft import pair_draft
 from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.quant import QuantAlgo
-from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
+from edgebuild.checkpoint.source import COMPONENT, WeightSource
 from edgebuild.errors import BundleError, ConfigError, MissingDependencyError
 from edgebuild.models.dspark import read_dspark_field
 from edgebuild.models.vision import VISION_PREFIX, VisionConfig
@@ -170,20 +171,18 @@ def recipe_from_flags(
             precision = "fp16" if dtype == "float16" else "bf16"
     spec = None
     if draft is not None:
+        from edgebuild.speculative.config import default_draft_top_k, read_draft_config
+
+        if num_speculative_tokens is not None and draft_top_k is not None:
+            dcfg = None
+        else:  # the defaults come from the draft's config.json, read once
+            dcfg = read_draft_config(Path(draft))
         if num_speculative_tokens is None:
             path = Path(draft) / "config.json"
-            try:
-                dcfg = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
-            if not isinstance(dcfg, dict):
-                raise ConfigError(f"{path}: the draft config must be a JSON object")
             block, _ = read_dspark_field(dcfg, "block_size", int, str(path))  # as DSparkConfig
             num_speculative_tokens = min(block, MAX_SPECULATIVE_TOKENS)
         if draft_top_k is None:
-            from edgebuild.speculative.config import default_draft_top_k
-
-            draft_top_k = default_draft_top_k(Path(draft))
+            draft_top_k = default_draft_top_k(Path(draft), dcfg)
         spec = SpeculativeSettings(
             num_speculative_tokens=num_speculative_tokens,
             draft_top_k=draft_top_k,
@@ -274,11 +273,12 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         )
     pair = draft_cfg = None
     if recipe.draft is not None:
-        pair = PairedSources(
-            WeightSource(recipe.resolve(recipe.draft), COMPONENT), WeightSource(target.path, TARGET)
-        )
-        model = meta_draft(pair, tcfg, torch.float32)  # check_draft: pairing, config, tensors
-        draft_cfg = model.config
+        # the one validation (pairing, config, tensors); the target's source is reused. Only
+        # the pair and the config are kept: the resolved head's values are not held all build
+        draft = pair_draft(target, recipe.resolve(recipe.draft), tcfg)
+        pair, draft_cfg = draft.pair, draft.config
+        del draft
+        model = meta_draft(draft_cfg, torch.float32)
         n = recipe.speculative.num_speculative_tokens
         if n > draft_cfg.block_size:
             raise ConfigError(
@@ -455,12 +455,16 @@ def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progre
     roles["base"] = _role_entry(base, "base")
     roles["base"]["tap_layers"] = list(taps)
     if plan.pair is not None:
-        progress.stage("export draft", plan.pair.draft.total_bytes())
-        draft = export_draft(plan.pair, plan.target_config, tmp / "draft", opts, progress.advance)
+        role = "draft"
+        progress.stage(f"export {role}", plan.pair.draft.total_bytes())
+        draft = export_draft(
+            plan.pair, plan.target_config, tmp / role, opts, progress.advance,
+            config=plan.draft_config,  # validated in stage 1
+        )  # fmt: skip
         progress.done()
-        shutil.copyfile(plan.pair.draft.config_path, tmp / "draft" / "config.json")
-        roles["draft"] = _role_entry(draft, "draft")
-        roles["draft"]["top_k"] = int(draft.metadata["edgebuild.top_k"])
+        shutil.copyfile(plan.pair.draft.config_path, tmp / role / "config.json")
+        roles[role] = _role_entry(draft, role)
+        roles[role]["top_k"] = int(draft.metadata["edgebuild.top_k"])
     if plan.vision is not None:
         roles["visual"] = _export_visual(plan, opts, tmp, progress)
     return {"roles": roles, "export": opts.to_json()}

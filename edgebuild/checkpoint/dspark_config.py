@@ -533,13 +533,32 @@ class DSparkConfig:
                 f"{s}: field '{where}' = {declared} != len(target_layer_ids) * hidden_size = "
                 f"{self.num_taps} * {self.hidden_size} = {self.fc_in_features}; fix one of them"
             )
+        self._check_fc(fc_in_features)
+
+    def _check_fc(self, fc_in_features: int | None) -> None:
         if fc_in_features is not None and fc_in_features != self.fc_in_features:
             raise PairingError(
-                f"{s}: fc.weight takes {fc_in_features} inputs but len(target_layer_ids) * "
-                f"hidden_size = {self.num_taps} * {self.hidden_size} = {self.fc_in_features}; "
-                f"fix '{self.where('target_layer_ids')}' (one id per tapped target layer) or "
-                "pair the draft with its own target"
+                f"{self.source}: fc.weight takes {fc_in_features} inputs but "
+                f"len(target_layer_ids) * hidden_size = {self.num_taps} * {self.hidden_size} = "
+                f"{self.fc_in_features}; fix '{self.where('target_layer_ids')}' (one id per "
+                "tapped target layer) or pair the draft with its own target"
             )
+
+    def check_stored(self, fc_in_features: int | None, geometry_changed: bool) -> None:
+        """After :meth:`validate`: what the stored tensors may change, checked again.
+
+        :meth:`with_tensor_geometry` may replace heads, KV heads, head_dim and intermediate
+        size (``geometry_changed``): those are checked as :meth:`validate` checks them; the
+        stored ``fc.weight`` input width (``fc_in_features``, when known) must be n_t * d.
+        The other fields are as :meth:`validate` saw them.
+
+        Raises:
+            ConfigError: the tensor-derived geometry is inconsistent.
+            PairingError: ``fc_in_features`` != len(target_layer_ids) * hidden_size.
+        """
+        if geometry_changed:
+            self._validate_geometry()
+        self._check_fc(fc_in_features)
 
     def _validate_geometry(self) -> None:
         s = self.source

@@ -159,9 +159,9 @@ class LLM:
         )
         draft_loader = None
         if spec is not None:  # validate the pair before loading the (large) target
-            from edgebuild.runtime.dspark_backend import prepare_draft
+            from edgebuild.runtime.dspark_loader import prepare_torch_draft
 
-            draft_loader = prepare_draft(spec, self.source)
+            draft_loader = prepare_torch_draft(spec, self.source)  # one DraftPlan
         self.target_model = LlamaForCausalLM.from_source(self.source, self.options.dtype)
         self.config = self.target_model.config
         self.vision: VisionEncoder | None = None

@@ -18,6 +18,15 @@ from pathlib import Path
 from edgebuild.checkpoint.dspark_config import read_dspark_field  # the one draft-config reader
 from edgebuild.errors import ConfigError
 
+__all__ = [
+    "DEFAULT_DRAFT_TOP_K",
+    "PLANNED_METHODS",
+    "SUPPORTED_METHODS",
+    "SpeculativeConfig",
+    "default_draft_top_k",
+    "read_draft_config",
+]
+
 # method -> description; CLI/server choices derive from this table.
 SUPPORTED_METHODS: dict[str, str] = {
     "dspark": "DSpark parallel block drafter with Markov and confidence heads",
@@ -27,24 +36,37 @@ _KEYS = {"method", "model", "num_speculative_tokens", "draft_top_k", "confidence
 DEFAULT_DRAFT_TOP_K = 16
 
 
-def default_draft_top_k(draft_dir: Path) -> int:
+def read_draft_config(draft_dir: Path) -> dict:
+    """The draft's ``config.json`` as a dict (read for the defaults of the speculative keys).
+
+    Raises:
+        ConfigError: an unreadable file or one that is not a JSON object (names the file).
+    """
+    path = Path(draft_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: the draft config must be a JSON object")
+    return cfg
+
+
+def default_draft_top_k(draft_dir: Path, cfg: dict | None = None) -> int:
     """The draft's recommended Markov-walk candidate count (``markov_topk``), else 16.
 
     Reads ``markov_topk`` (vLLM's hf_config spelling) from ``config.json`` of ``draft_dir``
-    where :class:`~edgebuild.checkpoint.dspark_config.DSparkConfig` reads every DSpark field: the top
-    level, ``dspark_config`` or ``dflash_config``; 0 means the full vocabulary.
+    (or from ``cfg``, that file already read by :func:`read_draft_config`) where
+    :class:`~edgebuild.checkpoint.dspark_config.DSparkConfig` reads every DSpark field: the
+    top level, ``dspark_config`` or ``dflash_config``; 0 means the full vocabulary.
 
     Raises:
         ConfigError: an unreadable config.json, a ``markov_topk`` that is not an integer
             >= 0, or two locations that disagree (names the file, the field and the fix).
     """
     path = Path(draft_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: the draft config must be a JSON object")
+    if cfg is None:
+        cfg = read_draft_config(draft_dir)
     value, where = read_dspark_field(cfg, "markov_topk", int, str(path), DEFAULT_DRAFT_TOP_K)
     if value < 0:
         raise ConfigError(
