@@ -58,6 +58,7 @@ from edgebuild.recipe import (
     Recipe,
     SpeculativeSettings,
 )
+from edgebuild.speculative.registry import get_method
 
 log = logging.getLogger("edgebuild.bundle")
 
@@ -417,6 +418,11 @@ def _staging(out: Path, force: bool) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def draft_role(recipe: Recipe) -> str:
+    """The bundle role of the recipe's draft engine (its method's record in the registry)."""
+    return get_method(recipe.speculative.method, str(recipe.source)).bundle_role
+
+
 def _role_entry(exported, role: str) -> dict:
     """The manifest's ``roles.<role>``: files, graph kind, dtype, I/O and weight provenance."""
     return {
@@ -455,7 +461,7 @@ def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progre
     roles["base"] = _role_entry(base, "base")
     roles["base"]["tap_layers"] = list(taps)
     if plan.pair is not None:
-        role = "draft"
+        role = draft_role(recipe)
         progress.stage(f"export {role}", plan.pair.draft.total_bytes())
         draft = export_draft(
             plan.pair, plan.target_config, tmp / role, opts, progress.advance,
@@ -560,7 +566,7 @@ def _manifest(plan: BuildPlan, options: BuildOptions, tmp: Path, exported: dict,
         dspark = dspark_fields(plan.draft_config)
         dspark["lm_head_source"] = plan.pair.lm_head().checkpoint_source
         dspark["embed_tokens_source"] = plan.pair.embed_tokens().checkpoint_source
-        dspark["top_k"] = exported["roles"]["draft"]["top_k"]
+        dspark["top_k"] = exported["roles"][draft_role(recipe)]["top_k"]
     for role, entry in sources.items():
         entry["quant"] = sorted(
             f.value for f in _formats(plan.target if role == "target" else plan.pair.draft)

@@ -24,7 +24,6 @@ from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.ops.linear import QUANT_MODES
 from edgebuild.runtime.cpu import describe_cpu, resolve_dtype
 from edgebuild.runtime.decoding import (
-    DSparkDecoder,
     RequestState,
     TargetOnlyDecoder,
     run_to_completion,
@@ -159,9 +158,10 @@ class LLM:
         )
         draft_loader = None
         if spec is not None:  # validate the pair before loading the (large) target
-            from edgebuild.runtime.dspark_loader import prepare_torch_draft
+            from edgebuild.speculative.registry import get_method
 
-            draft_loader = prepare_torch_draft(spec, self.source)  # one DraftPlan
+            method = get_method(spec.method)  # the method's record: loader and decoder
+            draft_loader = method.resolve("torch_loader")(spec, self.source)  # one DraftPlan
         self.target_model = LlamaForCausalLM.from_source(self.source, self.options.dtype)
         self.config = self.target_model.config
         self.vision: VisionEncoder | None = None
@@ -178,7 +178,7 @@ class LLM:
         )
         if draft_loader is not None:
             self.draft = draft_loader(self.options)
-            self.decoder = DSparkDecoder(
+            self.decoder = method.resolve("decoder")(
                 self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold
             )
         else:

@@ -731,7 +731,8 @@ class TrtRuntime:
                 the candidate count the draft engine was built with (it is part of the
                 engine's shapes and cannot change at run time).
         """
-        from edgebuild.runtime.decoding import DSparkDecoder, TargetOnlyDecoder
+        from edgebuild.runtime.decoding import TargetOnlyDecoder
+        from edgebuild.speculative.registry import get_method
 
         if self.draft is None:
             return TargetOnlyDecoder(self.target)
@@ -742,7 +743,7 @@ class TrtRuntime:
                 f"position; omit draft_top_k, set it to {self.draft.top_k}, or rebuild the "
                 "bundle with speculative.draft_top_k in its recipe"
             )
-        return DSparkDecoder(
+        return get_method(spec.method).resolve("decoder")(
             self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold
         )
 

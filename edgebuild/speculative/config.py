@@ -2,7 +2,8 @@
 
 Keys follow vLLM and TensorRT-Edge-LLM: `method`, `model`, `num_speculative_tokens`, plus
 `draft_top_k` (top-k base candidates of the Markov walk; 0 = full vocabulary) and
-`confidence_threshold` (static cutoff; 0 = off). One declarative record per method.
+`confidence_threshold` (static cutoff; 0 = off). The methods are the registry's
+(:mod:`edgebuild.speculative.registry`, one declarative record per method).
 
 When `draft_top_k` is not given, the draft's own recommendation is used: vLLM's hf_config key
 `markov_topk` in the draft's `config.json` (top level, `dspark_config` or `dflash_config`; spec
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from edgebuild.checkpoint.dspark_config import read_dspark_field  # the one draft-config reader
 from edgebuild.errors import ConfigError
+from edgebuild.speculative.registry import METHODS, PLANNED_METHODS, get_method
 
 __all__ = [
     "DEFAULT_DRAFT_TOP_K",
@@ -27,11 +29,8 @@ __all__ = [
     "read_draft_config",
 ]
 
-# method -> description; CLI/server choices derive from this table.
-SUPPORTED_METHODS: dict[str, str] = {
-    "dspark": "DSpark parallel block drafter with Markov and confidence heads",
-}
-PLANNED_METHODS = ("eagle3", "dflash")
+# method -> description, derived from the registry (one record per method)
+SUPPORTED_METHODS: dict[str, str] = {m.name: m.description for m in METHODS.values()}
 _KEYS = {"method", "model", "num_speculative_tokens", "draft_top_k", "confidence_threshold"}
 DEFAULT_DRAFT_TOP_K = 16
 
@@ -118,15 +117,7 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-config: unknown keys {sorted(unknown)}; allowed: {sorted(_KEYS)}"
             )
-        method = value.get("method")
-        if method not in SUPPORTED_METHODS:
-            planned = (
-                f" ({method} is planned, not yet supported)" if method in PLANNED_METHODS else ""
-            )
-            raise ConfigError(
-                f"--speculative-config: unknown method {method!r}{planned}; supported: "
-                f"{', '.join(SUPPORTED_METHODS)}"
-            )
+        method = get_method(value.get("method")).name  # the registry's record
         if "model" not in value or not isinstance(value["model"], str):
             raise ConfigError(
                 "--speculative-config: 'model' (the draft checkpoint path) is required"
