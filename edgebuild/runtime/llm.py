@@ -137,7 +137,7 @@ class LLM:
         if backend == "tensorrt":  # the bundle's engines; no torch weights are loaded
             from edgebuild.runtime.trt_backend import open_trt_runtime
 
-            rt = open_trt_runtime(resolved, spec)
+            rt = open_trt_runtime(resolved, spec, source=self.source)  # opened once
             self.options, self.config = rt.runtime_options(self.options), rt.config
             self.target_model, self.vision = None, rt.vision  # vision: the visual engine
             self.target, self.draft = rt.target, rt.draft

@@ -863,8 +863,11 @@ def assemble_runtime(
     return TrtRuntime(target, draft, config, plan, dict(runners), vision)
 
 
-def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRuntime:
+def open_trt_runtime(resolved, spec, options: TrtOptions | None = None, source=None) -> TrtRuntime:
     """Load a bundle's engines onto the GPU (``resolved``: :func:`resolve_model_path`'s result).
+
+    ``source``: the target checkpoint's WeightSource when the caller has opened it already
+    (:class:`~edgebuild.runtime.llm.LLM`; not re-read), else it is opened here.
 
     A VLM bundle also loads its ``visual`` engine (:class:`TrtVisual`). Not run here: this
     needs TensorRT and a CUDA GPU (the CPU tests go through :func:`assemble_runtime`).
@@ -888,7 +891,7 @@ def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRu
     if resolved.bundle is None:
         raise ConfigError(f"{resolved.target}: the TensorRT backend runs bundles (edgebuild build)")
     bundle, manifest = Path(resolved.bundle), resolved.manifest
-    source = WeightSource(resolved.target)
+    source = source if source is not None else WeightSource(resolved.target)
     config = ModelConfig.from_dict(source.config, str(source.config_path))
     with_visual = _check_vision(manifest, config, bundle)
     trt = load_tensorrt_runtime()
