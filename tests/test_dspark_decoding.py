@@ -29,8 +29,8 @@ from edgebuild.runtime.decoding import (
 from edgebuild.runtime.dspark_backend import prepare_draft
 from edgebuild.runtime.llm import RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.torch_backend import TorchTarget
+from edgebuild.speculative.config import SpeculativeConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,8 +23,8 @@ from edgebuild.runtime.decoding import DSparkDecoder, RequestState, run_to_compl
 from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.spec_schedule import ConfidenceScheduler, StepCosts, profile_step_costs
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.torch_backend import TorchTarget
+from edgebuild.speculative.config import SpeculativeConfig
 
 DRAFT = Path(__file__).resolve().parent.parent / "edgebuild" / "data" / "smollm2-135m-dspark"
 

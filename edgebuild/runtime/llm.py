@@ -24,7 +24,6 @@ from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.ops.linear import QUANT_MODES
 from edgebuild.runtime.cpu import describe_cpu, resolve_dtype
 from edgebuild.runtime.decoding import (
-    DSparkDecoder,
     RequestState,
     TargetOnlyDecoder,
     run_to_completion,
@@ -36,9 +35,9 @@ from edgebuild.runtime.multimodal import (
     template_messages,
 )
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.stopping import IncrementalDetokenizer
 from edgebuild.runtime.torch_backend import DEFAULT_PAGE_SIZE, TorchTarget
+from edgebuild.speculative.config import SpeculativeConfig
 
 log = logging.getLogger("edgebuild.runtime")
 
@@ -138,7 +137,7 @@ class LLM:
         if backend == "tensorrt":  # the bundle's engines; no torch weights are loaded
             from edgebuild.runtime.trt_backend import open_trt_runtime
 
-            rt = open_trt_runtime(resolved, spec)
+            rt = open_trt_runtime(resolved, spec, source=self.source)  # opened once
             self.options, self.config = rt.runtime_options(self.options), rt.config
             self.target_model, self.vision = None, rt.vision  # vision: the visual engine
             self.target, self.draft = rt.target, rt.draft
@@ -161,9 +160,10 @@ class LLM:
         )
         draft_loader = None
         if spec is not None:  # validate the pair before loading the (large) target
-            from edgebuild.runtime.dspark_backend import prepare_draft
+            from edgebuild.speculative.registry import get_method
 
-            draft_loader = prepare_draft(spec, self.source)
+            method = get_method(spec.method)  # the method's record: loader and decoder
+            draft_loader = method.resolve("torch_loader")(spec, self.source)  # one DraftPlan
         self.target_model = LlamaForCausalLM.from_source(self.source, self.options.dtype)
         self.config = self.target_model.config
         self.vision: VisionEncoder | None = None
@@ -180,7 +180,7 @@ class LLM:
         )
         if draft_loader is not None:
             self.draft = draft_loader(self.options)
-            self.decoder = DSparkDecoder(
+            self.decoder = method.resolve("decoder")(
                 self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold
             )
         else:
@@ -203,7 +203,7 @@ class LLM:
         """
         from edgebuild.runtime.spec_schedule import ConfidenceScheduler, profile_step_costs
 
-        if self.draft is None or not isinstance(self.decoder, DSparkDecoder):
+        if self.draft is None or not hasattr(self.decoder, "scheduler"):
             raise ConfigError("confidence scheduling needs a speculative draft")
         n = self.decoder.n
         rows = self.target.allocator.num_pages * self.target.allocator.page_size
