@@ -50,6 +50,7 @@ class RequestState:
     draft_seq: Sequence | None = None
     anchor: int | None = None  # committed token not yet in the target cache
     pending_features: torch.Tensor | None = None  # [m, n_t*d] target taps not yet in draft cache
+    pending_buffer: torch.Tensor | None = None  # storage behind pending_features (draft-less steps)
     prompt_images: MultimodalPrefill | None = None  # image rows + mrope positions (images)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     new_tokens: list[int] = field(default_factory=list)  # committed during the last step
@@ -242,7 +243,7 @@ class DSparkDecoder(TargetOnlyDecoder):
         super().finish(st)
         if st.draft_seq is not None:
             self.draft.free(st.draft_seq)
-        st.pending_features = None
+        st.pending_features = st.pending_buffer = None
         if self.scheduler is not None:
             self.scheduler.forget(st.request_id)
 
@@ -300,11 +301,7 @@ class DSparkDecoder(TargetOnlyDecoder):
         dt = time.perf_counter() - t0
         tokens = next_tokens([lg[0] for lg in out.logits], [s.params for s in live], live)
         for b, (st, token) in enumerate(zip(live, tokens, strict=True)):
-            tap = out.taps[b][:1]
-            if st.pending_features is None or not len(st.pending_features):
-                st.pending_features = tap.clone()  # TensorRT taps live in a reused ring
-            else:
-                st.pending_features = torch.cat([st.pending_features, tap])
+            _append_pending(st, out.taps[b][:1])
             st.anchor = token
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=0, accepted=0)
@@ -322,7 +319,7 @@ class DSparkDecoder(TargetOnlyDecoder):
                 [s.draft_seq for s in need], [s.pending_features for s in need]
             )
             for s in need:
-                s.pending_features = None
+                s.pending_features = s.pending_buffer = None
         # Budget: a step commits n+1 tokens at most, so never draft past the remaining budget.
         if counts is None:
             counts = [max(0, min(self.n, s.remaining - 1)) for s in live]
@@ -373,6 +370,26 @@ class DSparkDecoder(TargetOnlyDecoder):
             st.metrics.record_step(proposed=n, accepted=a)
             self._commit(st, v.tokens(prop.tokens))
         return dt, [v.accepted for v in verdicts]
+
+
+def _append_pending(st: RequestState, rows: torch.Tensor) -> None:
+    """Append target features [m, F] to ``st.pending_features`` in amortised O(m).
+
+    The rows are copied (TensorRT taps live in a ring the next call reuses) into a buffer
+    that doubles when full, so the many draft-less steps of a loaded server do not copy the
+    whole pending context every step.
+    """
+    cur, buf = st.pending_features, st.pending_buffer
+    n, m = (0 if cur is None else int(cur.shape[0])), int(rows.shape[0])
+    fits = buf is not None and n and cur.data_ptr() == buf.data_ptr() and n + m <= buf.shape[0]
+    if not fits:
+        new = rows.new_empty((max(16, 2 * (n + m)), rows.shape[1]))
+        if n:
+            new[:n] = cur
+        buf = new
+    buf[n : n + m] = rows
+    st.pending_buffer = buf
+    st.pending_features = buf[: n + m]
 
 
 def next_tokens(

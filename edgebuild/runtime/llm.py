@@ -392,7 +392,7 @@ class LLM:
         generator: :meth:`resume` recomputes the cache (recompute preemption, as in vLLM)."""
         self.decoder.finish(st)
         st.seq = st.draft_seq = None
-        st.pending_features = None
+        st.pending_features = st.pending_buffer = None
 
     def resume(self, st: RequestState) -> None:
         """New cache sequences for a preempted request, refilled with its prompt and all but
