@@ -111,6 +111,7 @@ class TargetBackend(Protocol):
         logits_rows: list[list[int]],  # per sequence row indices (into its n_b rows)
         tap_layers: tuple[int, ...] = (),
         images: list[MultimodalPrefill | None] | None = None,  # per sequence (prefill only)
+        prefill: bool = False,  # prompt rows: bits independent of chunking and batching
     ) -> TargetStep: ...
 
     def rollback(self, seq: Sequence, rows: int) -> None: ...

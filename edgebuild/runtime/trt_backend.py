@@ -341,6 +341,7 @@ class TrtTarget:
         logits_rows: list[list[int]],
         tap_layers: tuple[int, ...] = (),
         images: list[MultimodalPrefill | None] | None = None,
+        prefill: bool = False,
     ) -> TargetStep:
         """Append ``rows[b]`` to sequence b; fp32 host logits of ``logits_rows[b]`` and, when
         asked, device taps [n_b, n_t * d] (views of the tap ring, valid until the sequence's
@@ -348,7 +349,8 @@ class TrtTarget:
         one call's image rows) run in chunks.
 
         ``images[b]``: the prefill of a prompt with images (its image rows and embeddings,
-        3-axis positions); see the module docstring.
+        3-axis positions); see the module docstring. ``prefill`` (prompt rows) changes
+        nothing here: the engines run their own context phase.
 
         Raises:
             ConfigError: taps the engine was not built with; images for a base engine
