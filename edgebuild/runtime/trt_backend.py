@@ -725,8 +725,9 @@ class TrtRuntime:
             max_images=images,
         )
 
-    def decoder(self, spec):
-        """The decoder over these engines.
+    def decoder(self, spec, prefill=None):
+        """The decoder over these engines (`prefill`: a resolved PrefillConfig; the prefix
+        cache lives in the target's page allocator, shared with the engines' pools).
 
         Raises:
             ConfigError: a `draft_top_k` given in the speculative config that differs from
@@ -734,9 +735,12 @@ class TrtRuntime:
                 engine's shapes and cannot change at run time).
         """
         from edgebuild.runtime.decoding import DSparkDecoder, TargetOnlyDecoder
+        from edgebuild.runtime.prefill import PrefillConfig
 
+        lim = self.plan.limits  # chunks never above the engines' max input length
+        prefill = (prefill or PrefillConfig()).resolved(lim.page_size, lim.max_input_len)
         if self.draft is None:
-            return TargetOnlyDecoder(self.target)
+            return TargetOnlyDecoder(self.target, prefill)
         if spec.draft_top_k_given and spec.draft_top_k != self.draft.top_k:
             raise ConfigError(
                 f"--speculative-config: draft_top_k {spec.draft_top_k} cannot be honoured: the "
@@ -745,8 +749,9 @@ class TrtRuntime:
                 "bundle with speculative.draft_top_k in its recipe"
             )
         return DSparkDecoder(
-            self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold
-        )
+            self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold,
+            prefill,
+        )  # fmt: skip
 
 
 def _check_spec(manifest: dict, spec, limits: EngineLimits, bundle: Path) -> bool:
