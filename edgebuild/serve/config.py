@@ -143,6 +143,7 @@ class ServeState:
         config's prefill flags apply to the LLM's decoder (:meth:`LLM.set_prefill`)."""
         llm.set_prefill(config.prefill)
         metrics = ServeMetrics(config.model_name)
+        metrics.prefill_start(llm.decoder.stats)
         scheduler = Scheduler(llm, config.max_batch_size, config.max_queued_requests, metrics)
         return cls(config, llm, scheduler, metrics, backend or BackendChoice("torch", "given"))
 

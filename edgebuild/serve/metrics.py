@@ -149,7 +149,8 @@ class ServeMetrics:
         )
         self._lock = threading.Lock()
         self._spec = RequestMetrics()
-        self._prefill = PrefillStats()
+        self._prefill = PrefillStats()  # the decoder's totals when last read
+        self._prefix = [0, 0]  # hits, queries counted by this server
 
     def request_finished(self, reason: str, m: RequestMetrics, e2e_s: float) -> None:
         """Count a finished (or aborted) request and fold its decoding metrics in."""
@@ -168,16 +169,27 @@ class ServeMetrics:
             for i, rate in enumerate(self._spec.acceptance_by_position):
                 self.acceptance.labels(str(i + 1)).set(rate)
 
+    def prefill_start(self, stats: PrefillStats) -> None:
+        """Count prefill from a decoder's running totals `stats` on (a decoder may have run
+        before this server started)."""
+        with self._lock:
+            self._prefill = stats.copy()
+
     def prefill_update(self, stats: PrefillStats) -> None:
         """Bring the prefill counters up to a decoder's running totals `stats`."""
         with self._lock:
             last, self._prefill = self._prefill, stats.copy()
-        self.prefix_queries.inc(max(0, stats.prefix_queries - last.prefix_queries))
-        self.prefix_hits.inc(max(0, stats.prefix_hits - last.prefix_hits))
+            hits = max(0, stats.prefix_hits - last.prefix_hits)
+            queries = max(0, stats.prefix_queries - last.prefix_queries)
+            self._prefix[0] += hits
+            self._prefix[1] += queries
+            rate = self._prefix[0] / self._prefix[1] if self._prefix[1] else None
+        self.prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
         self.prefill_chunks.inc(max(0, stats.chunks - last.chunks))
         self.prefill_passes.inc(max(0, stats.passes - last.passes))
-        if stats.prefix_queries:
-            self.prefix_hit_rate.set(stats.prefix_hits / stats.prefix_queries)
+        if rate is not None:
+            self.prefix_hit_rate.set(rate)
 
     def queue_depth(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)
