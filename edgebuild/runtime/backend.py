@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from edgebuild.runtime.kv_cache import Sequence
+from edgebuild.runtime.kv_cache import PageAllocator, Sequence
 from edgebuild.runtime.sampling import SamplingParams
 
 
@@ -97,10 +97,15 @@ class Proposal:
 
 
 class TargetBackend(Protocol):
-    """Runs the target LLM over a paged KV cache."""
+    """Runs the target LLM over a paged KV cache.
+
+    `allocator`: the :class:`~edgebuild.runtime.kv_cache.PageAllocator` of its pools (the
+    decoders keep the prefix cache there).
+    """
 
     vocab_size: int
     max_model_len: int
+    allocator: PageAllocator
 
     def new_sequence(self) -> Sequence: ...
 

@@ -19,6 +19,12 @@ section 3):
 Each step commits a+1 tokens (tau = a+1 is the accepted length, bonus included). The target
 cache keeps [anchor, d_1..d_a] and rolls back n-a rows; the draft's context is extended with the
 target features of those a+1 rows. Stops inside the block are honoured token by token.
+
+Prefill (:mod:`edgebuild.runtime.prefill`): before the decode / verify pass of the running
+requests, a step runs one batched target pass over prompt chunks of the requests still in
+prefill (chunked, under the step's token budget, after the pages their prompts found in the
+prefix cache); the pass that completes a prompt commits its first token, and with DSpark the
+taps of all its rows (the cached pages' taps first) become the draft's pending context.
 """
 
 from __future__ import annotations

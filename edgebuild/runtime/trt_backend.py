@@ -739,6 +739,15 @@ class TrtRuntime:
 
         lim = self.plan.limits  # chunks never above the engines' max input length
         prefill = (prefill or PrefillConfig()).resolved(lim.page_size, lim.max_input_len)
+        if prefill.enable_prefix_caching or prefill.enable_chunked_prefill:
+            log.info(
+                "tensorrt: chunked prefill %s (%d rows), prefix caching %s; cached pages are "
+                "reused as the engines' context phase wrote them (bit-identity with a one-pass "
+                "prefill is checked on the CPU backend only)",
+                "on" if prefill.enable_chunked_prefill else "off",
+                prefill.prefill_chunk,
+                "on" if prefill.enable_prefix_caching else "off",
+            )
         if self.draft is None:
             return TargetOnlyDecoder(self.target, prefill)
         if spec.draft_top_k_given and spec.draft_top_k != self.draft.top_k:
