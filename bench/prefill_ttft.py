@@ -9,6 +9,11 @@ Two measurements on the real SmolLM2-135M (bf16 where the CPU has it):
 
 Usage: ``python bench/prefill_ttft.py [--threads N] [--draft]`` (``--draft``: DSpark with the
 shipped draft). Prints one line per measurement.
+
+Measured (2-core AVX512-BF16 host shared with other jobs, 1 thread, bf16, 2026-12-01):
+target-only: turn 2 after a 1140-token turn 1, 0.227 s vs 1.605 s (0.14x) with prefix caching,
+1.65 s without; 16 prompts, TTFT p50 0.86 s batched vs 1.63 s one by one (0.53x). DSpark:
+0.224 s vs 1.642 s (0.14x); 0.79 s vs 1.59 s (0.50x).
 """
 
 from __future__ import annotations

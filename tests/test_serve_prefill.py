@@ -186,3 +186,22 @@ def test_new_prompts_share_a_prefill_pass_within_the_token_budget(tiny_target_mo
     assert passes == [90, 90, 30] and all(s.output_ids for s in states)
     for st in states:
         dec.finish(st)
+
+
+def test_admission_counts_the_first_chunk_beyond_the_cached_prefix(tiny_llm):
+    """LLM.first_step_pages (the scheduler's admission): the first chunk's pages; with a hit,
+    the rest of the chunk plus the hit pages that were evictable (counted free before)."""
+    llm = tiny_llm
+    llm.set_prefill(PrefillConfig(prefill_chunk=64))
+    prompt = llm.encode_messages([{"role": "system", "content": SYSTEM}])
+    assert len(prompt) == 153  # 4 full pages of 32 and 25 rows
+    assert llm.first_step_pages(prompt) == (2, 0)  # 64 rows: 2 pages of 32
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    holder = llm.new_request(prompt, params)
+    while not holder.output_ids:
+        llm.decoder.step([holder])
+    assert llm.first_step_pages(prompt + [5]) == (1, 0)  # 4 pages shared, rows 128..153
+    llm.finish(holder)  # its prompt pages stay cached, evictable
+    assert llm.first_step_pages(prompt + [5]) == (1 + 4, 0)
+    llm.set_prefill(PrefillConfig(enable_chunked_prefill=False, enable_prefix_caching=False))
+    assert llm.first_step_pages(prompt) == (5, 0)  # the whole prompt, no cache
