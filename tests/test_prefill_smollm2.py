@@ -75,3 +75,33 @@ def test_shared_system_prompt_and_second_turn_equal_cold_solo_runs(smollm2_dir, 
     assert llm.decoder.stats.passes < llm.decoder.stats.chunks  # prompts shared passes
     if speculative:
         assert all(s.metrics.tau > 1.2 for s in got)
+
+
+TOPICS = ["cats", "the moon", "Paris", "the sea", "iron", "Python", "music", "tea",
+          "bees", "snow", "trains", "stars", "bread", "chess", "rivers", "clocks"]  # fmt: skip
+
+
+def test_16_concurrent_dspark_requests_with_cache_hits_equal_their_cold_solo_runs(smollm2_dir):
+    """16 greedy requests under one long system prompt, stepped together with chunked,
+    batched prefill (a 512-row budget: several passes), 15 of them hitting the pages the first
+    one cached; DSpark with the shipped draft, bf16."""
+    opts = RuntimeOptions(dtype=torch.bfloat16, max_kv_rows=16384)
+    llm = LLM(smollm2_dir, speculative=SPEC, options=opts)
+    prompts = [
+        llm.encode_messages(
+            [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"One fact about {t}."},
+            ]
+        )
+        for t in TOPICS
+    ]
+    params = [SamplingParams(max_tokens=10 + i % 5, temperature=0.0) for i in range(16)]
+    llm.set_prefill(COLD)
+    cold = [llm.generate_ids([p], sp)[0].output_ids for p, sp in zip(prompts, params, strict=True)]
+    llm.set_prefill(PrefillConfig())  # the serving defaults
+    got = llm.generate_ids(prompts[:1], params[:1])  # caches the system prompt's pages
+    got += llm.generate_ids(prompts[1:], params[1:])  # together, each hitting those pages
+    assert [s.output_ids for s in got] == cold
+    assert all(s.metrics.cached_prompt_tokens >= 256 for s in got[1:])
+    assert llm.decoder.stats.passes >= 2  # the budget split the prompts over passes
