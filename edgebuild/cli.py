@@ -16,6 +16,9 @@ import click
 from edgebuild.errors import EdgebuildError
 from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.select import BACKENDS
+from edgebuild.speculative.registry import speculative_help
+
+SPECULATIVE_HELP = speculative_help()  # the methods of the registry
 
 
 def _friendly(fn):
@@ -128,7 +131,7 @@ def doctor() -> None:
     "--speculative-config",
     "spec",
     default=None,
-    help='JSON, e.g. {"method":"dspark","model":DRAFT,"num_speculative_tokens":7}',
+    help=SPECULATIVE_HELP,
 )
 @click.option("--compare", is_flag=True, help="Also run target-only and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")

@@ -88,8 +88,8 @@ def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
 
     The checkpoint (the target, with `draft`) is checked as `LlamaForCausalLM.from_source`
     would check it (:func:`check_decoder`), and a draft goes through
-    :func:`edgebuild.models.dspark.check_draft`, the validation `edgebuild run`, the server and
-    `build` run before loading it: a draft they refuse fails here with the same message.
+    :func:`edgebuild.checkpoint.draft.pair_draft`, the validation `edgebuild run`, the server
+    and `build` run before loading it: a draft they refuse fails here with the same message.
 
     Raises:
         CheckpointError / ConfigError / PairingError: unreadable or inconsistent checkpoints,
@@ -99,19 +99,16 @@ def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
         source = WeightSource(ckpt)
         check_decoder(source)
         return summarize(source)
-    from edgebuild.checkpoint.config import ModelConfig
-    from edgebuild.checkpoint.pairing import PairedSources
-    from edgebuild.models.dspark import check_draft
+    from edgebuild.checkpoint.draft import pair_draft
 
-    pair = PairedSources(WeightSource(draft), WeightSource(ckpt, TARGET))
-    check_decoder(pair.target)
-    target_cfg = ModelConfig.from_dict(pair.target.config, source=str(pair.target.config_path))
-    checked = check_draft(pair, target_cfg)
-    head, embed, cfg = checked.lm_head, checked.embed_tokens, checked.config
+    draft_source, target = WeightSource(draft), WeightSource(ckpt, TARGET)
+    check_decoder(target)
+    plan = pair_draft(target, draft_source)  # what run, serve and build validate
+    head, embed, cfg = plan.lm_head, plan.embed_tokens, plan.config
     return {
-        "target": summarize(pair.target),
+        "target": summarize(plan.target),
         "draft": {
-            **summarize(pair.draft),
+            **summarize(plan.draft),
             "block_size": cfg.block_size,
             "target_layer_ids": list(cfg.target_layer_ids),
             "mask_token_id": cfg.mask_token_id,

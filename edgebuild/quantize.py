@@ -290,43 +290,13 @@ def quantize_checkpoint(
     quant_key = _check_format(quant, "quant", allow_none=False)
     head_key = _check_format(lm_head, "lm_head", allow_none=True)
     assert quant_key is not None
-    src, out = Path(src).resolve(), Path(out).resolve()
-    if not (src / "config.json").is_file():
-        raise CheckpointError(
-            f"{src}: no config.json; expected a Hugging Face checkpoint directory"
-        )
-    if out == src:
-        raise CheckpointError(f"{out}: the output directory must differ from the source checkpoint")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise CheckpointError(f"{out} already exists and is not empty; remove it or pass overwrite")
-
+    src, out = _check_dirs(Path(src).resolve(), Path(out).resolve(), overwrite)
     mtq, export_hf_checkpoint = _import_modelopt()
-    from transformers import AutoModelForCausalLM
-
-    cfg_name, want = QUANT_FORMATS[quant_key]
-    qcfg = lm_head_quant_cfg(
-        getattr(mtq, cfg_name), getattr(mtq, QUANT_FORMATS[head_key][0]) if head_key else None
-    )
-    if head_key is not None and head_key != quant_key:
-        want = QuantAlgo.MIXED_PRECISION
+    qcfg, want = _modelopt_cfg(mtq, quant_key, head_key)
 
     batches = _calibration_batches(src, calib_prompts, calib_inputs, max_calib_samples, max_seq_len)
-    log.info("loading %s", src)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True, dtype="auto")
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
-        raise CheckpointError(f"{src}: transformers cannot load this checkpoint ({exc})") from None
-    model = model.to(device).eval()
-    if not getattr(model.config, "architectures", None):
-        model.config.architectures = [type(model).__name__]  # export needs it
+    model = _load_model(src, device)
     tie = bool(getattr(model.config, "tie_word_embeddings", False))
-
-    def forward_loop(m: torch.nn.Module) -> None:
-        with torch.no_grad():
-            for i, ids in enumerate(batches):
-                m(input_ids=ids.to(device))
-                if (i + 1) % 8 == 0 or i + 1 == len(batches):
-                    log.info("calibration %d/%d", i + 1, len(batches))
 
     log.info(
         "quantizing to %s (lm_head: %s) with %d calibration samples on %s",
@@ -335,7 +305,7 @@ def quantize_checkpoint(
         len(batches),
         device,
     )
-    mtq.quantize(model, qcfg, forward_loop)
+    mtq.quantize(model, qcfg, _forward_loop(batches, device))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -350,6 +320,64 @@ def quantize_checkpoint(
         raise
     log.info("wrote %s", out)
     return out
+
+
+def _modelopt_cfg(mtq, quant_key: str, head_key: str | None) -> tuple[dict, QuantAlgo]:
+    """ModelOpt's quantization config (head included when ``head_key``) and the format the
+    export must then have (``MIXED_PRECISION`` for a head in another format)."""
+    cfg_name, want = QUANT_FORMATS[quant_key]
+    qcfg = lm_head_quant_cfg(
+        getattr(mtq, cfg_name), getattr(mtq, QUANT_FORMATS[head_key][0]) if head_key else None
+    )
+    if head_key is not None and head_key != quant_key:
+        want = QuantAlgo.MIXED_PRECISION
+    return qcfg, want
+
+
+def _forward_loop(batches: list[torch.Tensor], device: str):
+    """ModelOpt's calibration callback: run every batch of token ids through the model."""
+
+    def forward_loop(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for i, ids in enumerate(batches):
+                m(input_ids=ids.to(device))
+                if (i + 1) % 8 == 0 or i + 1 == len(batches):
+                    log.info("calibration %d/%d", i + 1, len(batches))
+
+    return forward_loop
+
+
+def _check_dirs(src: Path, out: Path, overwrite: bool) -> tuple[Path, Path]:
+    """``src`` must be a checkpoint, ``out`` another directory, absent or empty unless
+    ``overwrite`` (CheckpointError otherwise)."""
+    if not (src / "config.json").is_file():
+        raise CheckpointError(
+            f"{src}: no config.json; expected a Hugging Face checkpoint directory"
+        )
+    if out == src:
+        raise CheckpointError(f"{out}: the output directory must differ from the source checkpoint")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise CheckpointError(f"{out} already exists and is not empty; remove it or pass overwrite")
+    return src, out
+
+
+def _load_model(src: Path, device: str):
+    """The transformers causal LM of ``src`` on ``device`` in eval mode (local files only).
+
+    Raises:
+        CheckpointError: transformers cannot load it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    log.info("loading %s", src)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src), local_files_only=True, dtype="auto")
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
+        raise CheckpointError(f"{src}: transformers cannot load this checkpoint ({exc})") from None
+    model = model.to(device).eval()
+    if not getattr(model.config, "architectures", None):
+        model.config.architectures = [type(model).__name__]  # export needs it
+    return model
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

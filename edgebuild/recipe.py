@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from edgebuild.errors import ConfigError
-from edgebuild.runtime.speculative import SUPPORTED_METHODS
+from edgebuild.speculative.registry import method_names
 
 __all__ = ["Device", "Precision", "Recipe", "load_recipe"]
 
@@ -188,11 +188,11 @@ class Recipe(_Strict):
             return
         if s is None:
             self._fail("draft", "is set without speculative settings", "add 'speculative:'")
-        if s.method not in SUPPORTED_METHODS:
+        if s.method not in method_names():  # the registry's methods
             self._fail(
                 "speculative.method",
                 f"is {s.method!r}",
-                f"use one of {', '.join(SUPPORTED_METHODS)}",
+                f"use one of {', '.join(method_names())}",
             )
         if not 1 <= s.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             self._fail(

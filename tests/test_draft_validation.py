@@ -33,7 +33,7 @@ from edgebuild.errors import ConfigError, EdgebuildError, PairingError
 from edgebuild.models.dspark import DSparkConfig
 from edgebuild.runtime.dspark_backend import prepare_draft
 from edgebuild.runtime.llm import RuntimeOptions
-from edgebuild.runtime.speculative import SpeculativeConfig, default_draft_top_k
+from edgebuild.speculative.config import SpeculativeConfig, default_draft_top_k
 
 ST = "model.safetensors"
 D, V, R = 64, 1000, 8  # the tiny target's hidden size and vocab; the draft's Markov rank

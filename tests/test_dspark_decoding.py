@@ -29,8 +29,8 @@ from edgebuild.runtime.decoding import (
 from edgebuild.runtime.dspark_backend import prepare_draft
 from edgebuild.runtime.llm import RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.torch_backend import TorchTarget
+from edgebuild.speculative.config import SpeculativeConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -311,11 +311,14 @@ def test_rejection_sampling_residual_and_acceptance_rates():
     assert accept(p, torch.tensor([[1.0, 0.0, 0.0]]), [1], False, g) == 0
 
 
-def test_sampled_speculative_output_follows_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_sampled_speculative_output_follows_the_target_distribution(tmp_path, scheduled):
     """Chi-square of (token 2, token 3) vs the exact target distribution (vocab 8).
 
     Token 1 comes from the prefill; tokens 2 and 3 are drafted (2 drafts per step with
-    max_tokens 4), so their joint law is what speculative sampling must preserve.
+    max_tokens 4), so their joint law is what speculative sampling must preserve. With
+    confidence scheduling the verified length varies (0, 1 or 2 drafts) from request to
+    request and step to step: the law must not change.
     """
     vocab = 8
     target_dir = write_tiny_target(tmp_path / "t", vocab=vocab, layers=2, seed=5, sharpen=1.0)
@@ -347,14 +350,26 @@ def test_sampled_speculative_output_follows_the_target_distribution(tmp_path):
         for i in range(n)
     ]
     target = TorchTarget(model, max_kv_rows=8192, page_size=8)
-    dec = DSparkDecoder(target, draft, 3)
+    sch = None
+    if scheduled:
+        from edgebuild.runtime.spec_schedule import ConfidenceScheduler, StepCosts
+
+        widths = (1, 2, 3, 4)  # verify rows cost more and more: lengths 0..2 all pay somewhere
+        verify = [[0.01 * b * (1 + 0.05 * (w - 1) ** 2) for w in widths] for b in (1, 64)]
+        costs = StepCosts((1, 64), widths, verify, [0.0, 0.0], [[0.0, 0.001, 0.001, 0.001]] * 2)
+        costs.observe = lambda *a: None  # no wall-clock noise in the choice
+        sch = ConfidenceScheduler(costs, 3)
+        # raw confidences decide (no calibration drift): the lengths follow each proposal
+        sch.calibrated = lambda c: torch.cumprod(c.float(), 0).tolist()
+        sch.predicted_profile = lambda r: [0.9, 0.8, 0.7]
+    dec = DSparkDecoder(target, draft, 3, scheduler=sch)
     accepted = 0
     for chunk in range(0, n, 50):
         states = [RequestState.create(f"r{i}", prompt, params[i]) for i in range(chunk, chunk + 50)]
         run_to_completion(dec, states)
         for st in states:
             counts[st.output_ids[1], st.output_ids[2]] += 1
-            accepted += st.metrics.accepted_at[0]
+            accepted += st.metrics.accepted_at[0] if st.metrics.accepted_at else 0
     expected = exact.flatten() * n
     keep = expected >= 5  # chi-square validity; pool the rest
     obs = torch.cat([counts.flatten()[keep], counts.flatten()[~keep].sum().reshape(1)])
@@ -367,6 +382,8 @@ def test_sampled_speculative_output_follows_the_target_distribution(tmp_path):
     assert chi2 < limit, (chi2, limit, dof)
     # and the drafts were actually used (some accepted, some rejected)
     assert 0.05 * n < accepted < 0.95 * n
+    if scheduled:  # and the scheduler really varied the verified lengths
+        assert sch.stats.chosen[1] > 0 and sch.stats.chosen[2] > 0, sch.stats
 
 
 # ---------------------------------------------------------------------- config errors

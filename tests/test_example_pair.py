@@ -20,7 +20,7 @@ from edgebuild.runtime.decoding import TargetOnlyDecoder
 from edgebuild.runtime.dspark_backend import prepare_draft
 from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import SpeculativeConfig
+from edgebuild.speculative.config import SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DRAFT = example_draft_dir()

@@ -22,9 +22,9 @@ from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.runtime.decoding import DSparkDecoder, run_to_completion
 from edgebuild.runtime.llm import LLM, RuntimeOptions, load_tokenizer
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.trt_backend import TrtRuntime
 from edgebuild.serve.scheduler import Scheduler
+from edgebuild.speculative.config import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")

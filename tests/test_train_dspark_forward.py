@@ -18,8 +18,8 @@ from dspark_fixtures import make_random_draft
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.runtime.dspark_backend import prepare_draft
 from edgebuild.runtime.llm import RuntimeOptions
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.torch_backend import make_batch
+from edgebuild.speculative.config import SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

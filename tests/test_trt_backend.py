@@ -19,7 +19,8 @@ from dspark_fixtures import make_random_draft
 from test_dspark_decoding import load_draft, write_tiny_target
 
 from edgebuild.checkpoint.source import WeightSource
-from edgebuild.errors import ConfigError, EngineError, MissingDependencyError
+from edgebuild.engine.builder import record_profiles
+from edgebuild.errors import BundleError, ConfigError, EngineError, MissingDependencyError
 from edgebuild.export.graphs import BaseGraph, DraftGraph, GraphKind
 from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.ops.rope import rope_cos_sin_table
@@ -91,22 +92,24 @@ def hand_manifest() -> dict:
         _spec("draft_confidence", "float32", ("batch", 4, 5)),
         _spec("present_kv_cache_0", "bfloat16", cache),
     ]
-    return {
-        "build": {
-            "device": "thor",
-            "precision": "bf16",
-            "max_batch_size": 2,
-            "max_input_len": 32,
-            "max_kv_cache_capacity": 64,
-            "page_size": 16,
-            "weights": "native",
-        },
-        "speculative": {"method": "dspark", "num_speculative_tokens": 3},
-        "roles": {
-            "base": {"inputs": base_in, "outputs": base_out, "tap_layers": [0, 1]},
-            "draft": {"inputs": draft_in, "outputs": draft_out, "top_k": 5},
-        },
-    }
+    return record_profiles(
+        {  # as `edgebuild build` writes it: the engines' profiles recorded
+            "build": {
+                "device": "thor",
+                "precision": "bf16",
+                "max_batch_size": 2,
+                "max_input_len": 32,
+                "max_kv_cache_capacity": 64,
+                "page_size": 16,
+                "weights": "native",
+            },
+            "speculative": {"method": "dspark", "num_speculative_tokens": 3},
+            "roles": {
+                "base": {"inputs": base_in, "outputs": base_out, "tap_layers": [0, 1]},
+                "draft": {"inputs": draft_in, "outputs": draft_out, "top_k": 5},
+            },
+        }
+    )
 
 
 def test_limits_come_from_the_build_settings_and_the_verify_length():
@@ -262,6 +265,7 @@ def test_engine_profiles_and_kv_aliasing_are_checked_against_the_manifest():
     # an engine built with max_input_len 16 instead of the manifest's 32
     small = copy.deepcopy(m)
     small["build"]["max_input_len"] = 16
+    record_profiles(small)
     wrong = FakeEngine(role_profiles(small, "base"), {})
     problems = profile_problems(wrong, io, profiles)
     assert any("profile prefill input 'input_ids'" in p for p in problems)
@@ -504,6 +508,7 @@ def standin_backends(tiny, n=4, top_k=8, max_batch=2, page_size=8):
         "roles": {"base": {**graph_io(base), "tap_layers": list(taps)},
                   "draft": graph_io(dgraph)},
     }  # fmt: skip
+    record_profiles(manifest)
     plan = plan_buffers(manifest)
     brun, drun = GraphRunner(base), GraphRunner(dgraph)
     trt_target = TrtTarget(brun, role_io(manifest, "base"), role_profiles(manifest, "base"),
@@ -607,3 +612,13 @@ def test_an_image_prompt_on_a_text_base_engine_is_refused_before_running(tiny):
     with pytest.raises(ConfigError, match="without an image_embeds input.*edgebuild build"):
         trt_target.forward([seq], [torch.tensor([1, 2])], [[1]], (), [images])
     assert brun.keys == [] and seq.length == 0
+
+
+def test_a_bundle_that_records_no_engine_profiles_is_refused_with_how_to_rebuild():
+    m = hand_manifest()
+    del m["roles"]["base"]["profiles"]  # a bundle built before profiles were recorded
+    with pytest.raises(BundleError, match=r"roles.base records no engine optimization profiles"):
+        role_profiles(m, "base")
+    m["roles"]["draft"]["profiles"] = [{"name": "all", "shapes": {"input_ids": [[1, 1]]}}]
+    with pytest.raises(BundleError, match="malformed entry.*rebuild"):
+        role_profiles(m, "draft")

@@ -32,6 +32,7 @@ from vlm_fixtures import (
 )
 
 from edgebuild.checkpoint.source import WeightSource
+from edgebuild.engine.builder import record_profiles
 from edgebuild.errors import ConfigError
 from edgebuild.export.graphs import BaseGraph, DraftGraph, GraphKind
 from edgebuild.export.visual import VisualGraph, vision_fields
@@ -96,6 +97,7 @@ def standin_runtime(target_dir, draft_dir=None, n=4, build=None):
         manifest["dspark"] = {"block_size": tdraft.block_size,
                               "target_layer_ids": list(tdraft.target_layer_ids)}  # fmt: skip
         runners["draft"] = GraphRunner(dgraph)
+    record_profiles(manifest)  # as `edgebuild build` records them
     rt = assemble_runtime(manifest, source, runners, "cpu")
     return rt, runners, model, tdraft, manifest
 

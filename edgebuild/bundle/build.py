@@ -43,9 +43,10 @@ from edgebuild.bundle.manifest import (
     stale_staging,
 )
 from edgebuild.checkpoint.config import ModelConfig
+from edgebuild.checkpoint.draft import pair_draft
 from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.quant import QuantAlgo
-from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
+from edgebuild.checkpoint.source import COMPONENT, WeightSource
 from edgebuild.errors import BundleError, ConfigError, MissingDependencyError
 from edgebuild.models.dspark import read_dspark_field
 from edgebuild.models.vision import VISION_PREFIX, VisionConfig
@@ -57,6 +58,7 @@ from edgebuild.recipe import (
     Recipe,
     SpeculativeSettings,
 )
+from edgebuild.speculative.registry import get_method
 
 log = logging.getLogger("edgebuild.bundle")
 
@@ -150,7 +152,7 @@ def recipe_from_flags(
     where :class:`~edgebuild.models.dspark.DSparkConfig` reads it: top level, ``dspark_config``
     or ``dflash_config``);
     ``draft_top_k`` to the draft's ``markov_topk`` (else 16, see
-    :func:`edgebuild.runtime.speculative.default_draft_top_k`).
+    :func:`edgebuild.speculative.config.default_draft_top_k`).
     ``build`` holds the other ``build:`` keys (``max_batch_size``, ``max_input_len``, ...).
 
     Raises:
@@ -170,20 +172,18 @@ def recipe_from_flags(
             precision = "fp16" if dtype == "float16" else "bf16"
     spec = None
     if draft is not None:
+        from edgebuild.speculative.config import default_draft_top_k, read_draft_config
+
+        if num_speculative_tokens is not None and draft_top_k is not None:
+            dcfg = None
+        else:  # the defaults come from the draft's config.json, read once
+            dcfg = read_draft_config(Path(draft))
         if num_speculative_tokens is None:
             path = Path(draft) / "config.json"
-            try:
-                dcfg = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
-            if not isinstance(dcfg, dict):
-                raise ConfigError(f"{path}: the draft config must be a JSON object")
             block, _ = read_dspark_field(dcfg, "block_size", int, str(path))  # as DSparkConfig
             num_speculative_tokens = min(block, MAX_SPECULATIVE_TOKENS)
         if draft_top_k is None:
-            from edgebuild.runtime.speculative import default_draft_top_k
-
-            draft_top_k = default_draft_top_k(Path(draft))
+            draft_top_k = default_draft_top_k(Path(draft), dcfg)
         spec = SpeculativeSettings(
             num_speculative_tokens=num_speculative_tokens,
             draft_top_k=draft_top_k,
@@ -274,11 +274,12 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         )
     pair = draft_cfg = None
     if recipe.draft is not None:
-        pair = PairedSources(
-            WeightSource(recipe.resolve(recipe.draft), COMPONENT), WeightSource(target.path, TARGET)
-        )
-        model = meta_draft(pair, tcfg, torch.float32)  # check_draft: pairing, config, tensors
-        draft_cfg = model.config
+        # the one validation (pairing, config, tensors); the target's source is reused. Only
+        # the pair and the config are kept: the resolved head's values are not held all build
+        draft = pair_draft(target, recipe.resolve(recipe.draft), tcfg)
+        pair, draft_cfg = draft.pair, draft.config
+        del draft
+        model = meta_draft(draft_cfg, torch.float32)
         n = recipe.speculative.num_speculative_tokens
         if n > draft_cfg.block_size:
             raise ConfigError(
@@ -417,6 +418,11 @@ def _staging(out: Path, force: bool) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def draft_role(recipe: Recipe) -> str:
+    """The bundle role of the recipe's draft engine (its method's record in the registry)."""
+    return get_method(recipe.speculative.method, str(recipe.source)).bundle_role
+
+
 def _role_entry(exported, role: str) -> dict:
     """The manifest's ``roles.<role>``: files, graph kind, dtype, I/O and weight provenance."""
     return {
@@ -455,12 +461,16 @@ def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progre
     roles["base"] = _role_entry(base, "base")
     roles["base"]["tap_layers"] = list(taps)
     if plan.pair is not None:
-        progress.stage("export draft", plan.pair.draft.total_bytes())
-        draft = export_draft(plan.pair, plan.target_config, tmp / "draft", opts, progress.advance)
+        role = draft_role(recipe)
+        progress.stage(f"export {role}", plan.pair.draft.total_bytes())
+        draft = export_draft(
+            plan.pair, plan.target_config, tmp / role, opts, progress.advance,
+            config=plan.draft_config,  # validated in stage 1
+        )  # fmt: skip
         progress.done()
-        shutil.copyfile(plan.pair.draft.config_path, tmp / "draft" / "config.json")
-        roles["draft"] = _role_entry(draft, "draft")
-        roles["draft"]["top_k"] = int(draft.metadata["edgebuild.top_k"])
+        shutil.copyfile(plan.pair.draft.config_path, tmp / role / "config.json")
+        roles[role] = _role_entry(draft, role)
+        roles[role]["top_k"] = int(draft.metadata["edgebuild.top_k"])
     if plan.vision is not None:
         roles["visual"] = _export_visual(plan, opts, tmp, progress)
     return {"roles": roles, "export": opts.to_json()}
@@ -556,7 +566,7 @@ def _manifest(plan: BuildPlan, options: BuildOptions, tmp: Path, exported: dict,
         dspark = dspark_fields(plan.draft_config)
         dspark["lm_head_source"] = plan.pair.lm_head().checkpoint_source
         dspark["embed_tokens_source"] = plan.pair.embed_tokens().checkpoint_source
-        dspark["top_k"] = exported["roles"]["draft"]["top_k"]
+        dspark["top_k"] = exported["roles"][draft_role(recipe)]["top_k"]
     for role, entry in sources.items():
         entry["quant"] = sorted(
             f.value for f in _formats(plan.target if role == "target" else plan.pair.draft)
@@ -599,6 +609,8 @@ def build_bundle(recipe: Recipe, out: Path, options: BuildOptions | None = None)
         BundleError: ``out`` exists without ``force``.
         EngineError / MissingDependencyError: engine stage (a plugin graph without library).
     """
+    from edgebuild.engine.builder import record_profiles
+
     options = options or BuildOptions()
     plan = plan_build(recipe, options)
     with _Progress(options.progress) as progress, _staging(out, options.force) as tmp:
@@ -607,6 +619,7 @@ def build_bundle(recipe: Recipe, out: Path, options: BuildOptions | None = None)
         engines = _engines(plan, options, tmp, exported["roles"], progress)
         progress.stage("manifest (hashing files)", None)
         manifest = _manifest(plan, options, tmp, exported, engines)
+        record_profiles(manifest)  # what the runtime reads instead of recomputing them
         (tmp / MANIFEST_NAME).write_text(dumps(manifest), encoding="utf-8")
         progress.done()
     return BuildResult(Path(out).resolve(), manifest)

@@ -249,6 +249,42 @@ def stale_staging(out: Path) -> list[tuple[Path, int]]:
     return found
 
 
+def engine_profiles(manifest: dict, role: str) -> list[tuple[str, dict[str, tuple]]]:
+    """The optimization profiles ``role``'s engine was built with, from ``roles.<role>.profiles``.
+
+    Written at build time by :func:`edgebuild.engine.builder.record_profiles`; returns
+    ``[(name, {input: (min_shape, opt_shape, max_shape)})]`` in engine order, shapes as
+    tuples of ints.
+
+    Raises:
+        BundleError: the role records no profiles (a bundle built before they were recorded:
+            rebuild it with `edgebuild build`) or a malformed entry.
+    """
+    entry = (manifest.get("roles") or {}).get(role) or {}
+    records = entry.get("profiles")
+    if not isinstance(records, list) or not records:
+        raise BundleError(
+            f"manifest.json: roles.{role} records no engine optimization profiles (a bundle "
+            "built by an older edgebuild); rebuild it with `edgebuild build`"
+        )
+    out = []
+    for record in records:
+        try:
+            shapes = {
+                name: tuple(tuple(int(d) for d in shape) for shape in triple)
+                for name, triple in record["shapes"].items()
+            }
+            if any(len(triple) != 3 for triple in shapes.values()):
+                raise ValueError("not (min, opt, max)")
+            out.append((str(record["name"]), shapes))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise BundleError(
+                f"manifest.json: roles.{role}.profiles has a malformed entry {record!r} ({exc}); "
+                "rebuild the bundle with `edgebuild build`"
+            ) from None
+    return out
+
+
 def is_bundle(path: Path) -> bool:
     """True when ``path`` is a directory with a ``manifest.json`` (complete or corrupt)."""
     return (Path(path) / MANIFEST_NAME).is_file()

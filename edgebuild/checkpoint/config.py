@@ -145,20 +145,7 @@ class ModelConfig:
             ConfigError: unknown architecture (lists the supported ones), a missing or
                 mistyped field, an unknown rope type, or inconsistent geometry.
         """
-        arch_list = cfg.get("architectures") or []
-        if isinstance(arch_list, str):
-            arch_list = [arch_list]
-        arch = arch_list[0] if isinstance(arch_list, list) and arch_list else ""
-        arch = arch if isinstance(arch, str) else ""
-        model_type = cfg.get("model_type")
-        model_type = model_type if isinstance(model_type, str) else ""
-        family = _ARCHITECTURES.get(arch) or _MODEL_TYPES.get(model_type)
-        if family is None:
-            raise ConfigError(
-                f"{source}: unsupported architecture "
-                f"{arch or cfg.get('architectures') or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(sorted(_ARCHITECTURES))}"
-            )
+        arch, model_type, family = _family(cfg, source)
         # Multimodal configs may keep the LLM under text_config; drafts read only top-level.
         full = cfg
         multimodal = (arch or model_type) in _MULTIMODAL
@@ -176,24 +163,7 @@ class ModelConfig:
         kv_heads = _get(cfg, "num_key_value_heads", source, int, heads) or heads
         head_dim = _get(cfg, "head_dim", source, int, None) or hidden // max(heads, 1)
         n_layers = _get(cfg, "num_hidden_layers", source, int)
-        window = None
-        if family is Family.LLAMA or cfg.get("use_sliding_window", False):
-            window = _get(cfg, "sliding_window", source, int, None)
-        layer_types = cfg.get("layer_types")
-        if layer_types is not None and (
-            not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
-        ):
-            raise ConfigError(
-                f"{source}: 'layer_types' must be a list of strings, got {layer_types!r}"
-            )
-        if layer_types is None:
-            max_window_layers = cfg.get("max_window_layers", n_layers)
-            layer_types = [
-                "sliding_attention"
-                if window is not None and (family is Family.LLAMA or i >= max_window_layers)
-                else "full_attention"
-                for i in range(n_layers)
-            ]
+        window, layer_types = _attention_layout(cfg, source, family, n_layers)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         config = cls(
@@ -265,3 +235,55 @@ class ModelConfig:
         if self.layer_types[layer] != "sliding_attention":
             return 0
         return self.sliding_window or 0
+
+
+def _family(cfg: dict[str, Any], source: str) -> tuple[str, str, Family]:
+    """``(architecture, model_type, family)`` of an HF config (either name may be "").
+
+    Raises:
+        ConfigError: neither names a supported family (lists the supported architectures).
+    """
+    arch_list = cfg.get("architectures") or []
+    if isinstance(arch_list, str):
+        arch_list = [arch_list]
+    arch = arch_list[0] if isinstance(arch_list, list) and arch_list else ""
+    arch = arch if isinstance(arch, str) else ""
+    model_type = cfg.get("model_type")
+    model_type = model_type if isinstance(model_type, str) else ""
+    family = _ARCHITECTURES.get(arch) or _MODEL_TYPES.get(model_type)
+    if family is None:
+        raise ConfigError(
+            f"{source}: unsupported architecture "
+            f"{arch or cfg.get('architectures') or cfg.get('model_type')!r}; "
+            f"supported: {', '.join(sorted(_ARCHITECTURES))}"
+        )
+    return arch, model_type, family
+
+
+def _attention_layout(
+    cfg: dict[str, Any], source: str, family: Family, n_layers: int
+) -> tuple[int | None, list[str]]:
+    """``(sliding_window, layer_types)``: the window (Llama always reads it, others only with
+    ``use_sliding_window``) and the per-layer types, listed or derived from
+    ``max_window_layers``.
+
+    Raises:
+        ConfigError: ``layer_types`` that is not a list of strings.
+    """
+    window = None
+    if family is Family.LLAMA or cfg.get("use_sliding_window", False):
+        window = _get(cfg, "sliding_window", source, int, None)
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and (
+        not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+    ):
+        raise ConfigError(f"{source}: 'layer_types' must be a list of strings, got {layer_types!r}")
+    if layer_types is None:
+        max_window_layers = cfg.get("max_window_layers", n_layers)
+        layer_types = [
+            "sliding_attention"
+            if window is not None and (family is Family.LLAMA or i >= max_window_layers)
+            else "full_attention"
+            for i in range(n_layers)
+        ]
+    return window, layer_types

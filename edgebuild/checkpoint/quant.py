@@ -880,6 +880,36 @@ def build_linear_weight(
         return reader.maybe(f"{prefix}.{suffix}")
 
     expected = quant_config.algo_for(prefix)
+    result = _stored_weight(prefix, weight, opt, quant_config, checkpoint_source, file)
+
+    got = result.format if isinstance(result, QuantizedWeight) else QuantAlgo.NONE
+    if got is not expected:
+        note = (
+            f"{where}: '{prefix}.weight' is stored as {got.value} but {quant_config.source} says "
+            f"{expected.value}; using the stored format"
+        )
+        log.log(logging.WARNING if got is not QuantAlgo.NONE else logging.INFO, note)
+    if isinstance(result, QuantizedWeight):
+        result.validate()
+    return result
+
+
+def _stored_weight(
+    prefix: str,
+    weight: torch.Tensor,
+    opt,
+    quant_config: QuantConfig,
+    checkpoint_source: str,
+    file: str,
+) -> torch.Tensor | QuantizedWeight:
+    """The format the stored tensors of linear ``prefix`` say (see :func:`build_linear_weight`).
+
+    ``opt(suffix)`` reads ``<prefix>.<suffix>`` or returns None. Not yet validated.
+
+    Raises:
+        QuantFormatError: missing scales or an unsupported storage dtype.
+    """
+    where = file or "<checkpoint>"
     result: torch.Tensor | QuantizedWeight
     if weight.dtype == torch.uint8:
         ws, ws2 = opt("weight_scale"), opt("weight_scale_2")
@@ -938,14 +968,4 @@ def build_linear_weight(
             f"read; supported: {_SUPPORTED_ALGOS} (float8_e4m3fn / NVFP4 uint8 / BF16 / FP16 / FP32). "
             "Quantize the BF16 checkpoint with `edgebuild quantize` instead"
         )
-
-    got = result.format if isinstance(result, QuantizedWeight) else QuantAlgo.NONE
-    if got is not expected:
-        note = (
-            f"{where}: '{prefix}.weight' is stored as {got.value} but {quant_config.source} says "
-            f"{expected.value}; using the stored format"
-        )
-        log.log(logging.WARNING if got is not QuantAlgo.NONE else logging.INFO, note)
-    if isinstance(result, QuantizedWeight):
-        result.validate()
     return result

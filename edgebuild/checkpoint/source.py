@@ -10,6 +10,7 @@ message that names the file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import struct
@@ -340,6 +341,22 @@ class WeightSource:
             checkpoint_source=self.checkpoint_source,
             file=str(info.file),
         )
+
+    def as_source(self, checkpoint_source: str) -> WeightSource:
+        """This checkpoint tagged ``checkpoint_source`` ("component" / "target"), without
+        re-reading its files: the view shares the config, quant config, headers and open
+        handles (e.g. a target the runtime opened that also lends a draft its head).
+        """
+        if checkpoint_source not in (COMPONENT, TARGET):
+            raise ValueError("checkpoint_source must be 'component' or 'target'")
+        view = object.__new__(WeightSource)
+        view.__dict__.update(self.__dict__)
+        view.checkpoint_source = checkpoint_source
+        view._infos = {
+            n: dataclasses.replace(i, checkpoint_source=checkpoint_source)
+            for n, i in self._infos.items()
+        }
+        return view
 
     def total_bytes(self) -> int:
         """Bytes of all tensors as stored."""

@@ -201,6 +201,39 @@ def profiles(
     return out
 
 
+def record_profiles(manifest: dict) -> dict:
+    """Write each role's optimization profiles into ``manifest`` (``roles.<role>.profiles``).
+
+    The record the runtime reads instead of recomputing them
+    (:func:`edgebuild.bundle.manifest.engine_profiles`): ``[{"name": ..., "shapes": {input:
+    [min_shape, opt_shape, max_shape]}}, ...]`` in engine order, computed by :func:`profiles`
+    from the manifest's ``build`` settings, ``speculative.num_speculative_tokens`` (0 without a
+    draft) and each role's declared ``inputs`` (the ``visual`` role: its ``vision`` fields).
+    Roles without ``inputs`` are left alone. Returns ``manifest`` (changed in place).
+
+    Raises:
+        ConfigError: an input axis without a range, a ``visual`` role without geometry.
+    """
+    build = BuildSettings(
+        **{
+            k: v
+            for k, v in (manifest.get("build") or {}).items()
+            if k in BuildSettings.model_fields
+        }
+    )
+    n = int((manifest.get("speculative") or {}).get("num_speculative_tokens", 0))
+    for role, entry in (manifest.get("roles") or {}).items():
+        if "inputs" not in entry:
+            continue
+        visual = VisualGeometry.from_role(entry) if role == "visual" else None
+        made = profiles(role, entry["inputs"], build, n, visual)
+        entry["profiles"] = [
+            {"name": name, "shapes": {k: [list(d) for d in v] for k, v in shapes.items()}}
+            for name, shapes in zip(profile_names(role), made, strict=True)
+        ]
+    return manifest
+
+
 def load_tensorrt(builder: str = "tensorrt") -> ModuleType:
     """Import ``tensorrt`` (or ``tensorrt_rtx``) lazily.
 
@@ -356,20 +389,8 @@ def build_engine(
     _parse(trt, network, logger, Path(onnx_path))
     config = trt_builder.create_builder_config()
     shapes = profiles(role, inputs, build, num_speculative_tokens, visual)
-    for shape in shapes:
-        profile = trt_builder.create_optimization_profile()
-        for name, (lo, opt, hi) in shape.items():
-            profile.set_shape(name, lo, opt, hi)
-        config.add_optimization_profile(profile)
-    if needs_plugin and hasattr(trt, "PreviewFeature"):
-        aliased = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
-        if aliased is not None:  # present_kv_cache really is kv_cache's memory
-            config.set_preview_feature(aliased, True)
     timing_cache = timing_cache if builder == "tensorrt" else None  # no-op in TensorRT-RTX
-    if timing_cache is not None:
-        path = Path(timing_cache)
-        cache = config.create_timing_cache(path.read_bytes() if path.is_file() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
+    _configure(trt, trt_builder, config, shapes, needs_plugin, timing_cache)
     serialized = trt_builder.build_serialized_network(network, config)
     if serialized is None:
         raise EngineError(f"{onnx_path}: TensorRT failed to build the {role} engine (see its log)")
@@ -385,6 +406,23 @@ def build_engine(
         str(plugin_library) if needs_plugin and plugin_library else None,
         str(timing_cache) if timing_cache else None,
     )
+
+
+def _configure(trt, trt_builder, config, shapes: list[dict], needs_plugin: bool, timing_cache):
+    """Optimization profiles (one per ``shapes`` entry), aliased plugin I/O, timing cache."""
+    for shape in shapes:
+        profile = trt_builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shape.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    if needs_plugin and hasattr(trt, "PreviewFeature"):
+        aliased = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
+        if aliased is not None:  # present_kv_cache really is kv_cache's memory
+            config.set_preview_feature(aliased, True)
+    if timing_cache is not None:
+        path = Path(timing_cache)
+        cache = config.create_timing_cache(path.read_bytes() if path.is_file() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
 
 
 def _atomic_write(path: Path, data) -> None:

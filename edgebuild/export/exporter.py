@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from edgebuild.checkpoint.config import ModelConfig
+from edgebuild.checkpoint.draft import pair_draft
+from edgebuild.checkpoint.dspark_config import DSparkConfig
 from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import ConfigError
@@ -366,18 +368,13 @@ def export_base(
     )
 
 
-def meta_draft(pair: PairedSources, target_cfg: ModelConfig, dtype: torch.dtype):
-    """The DSpark draft on the meta device, validated by :func:`~edgebuild.models.dspark.check_draft`.
+def meta_draft(config: DSparkConfig, dtype: torch.dtype):
+    """The DSpark draft of a validated config (:func:`~edgebuild.checkpoint.draft.pair_draft`)
+    on the meta device."""
+    from edgebuild.models.dspark import DSparkDraft
 
-    Raises:
-        ConfigError / PairingError / CheckpointError: from ``check_draft`` (pairing, taps, mask
-            id, heads, fc width, missing or mis-shaped tensors).
-    """
-    from edgebuild.models.dspark import DSparkDraft, check_draft
-
-    cfg = check_draft(pair, target_cfg).config  # the loader's and inspect's checks
     with torch.device("meta"):
-        model = DSparkDraft(cfg).to(dtype)
+        model = DSparkDraft(config).to(dtype)
     return model.eval()
 
 
@@ -387,19 +384,26 @@ def export_draft(
     out_dir: Path,
     options: ExportOptions,
     on_tensor: Callable[[str, int], None] | None = None,
+    *,
+    config: DSparkConfig | None = None,
 ) -> ExportedGraph:
     """Export the DSpark draft of ``pair`` as the ``draft`` graph.
 
     The borrowed ``lm_head`` / ``embed_tokens`` are recorded with ``checkpoint_source``
     ``"target"`` in ``edgebuild.weight_sources`` and ``edgebuild.lm_head_source``. When both
     resolve to the same tensor (a tied target), the graph holds it once, as
-    ``embed_tokens.weight``.
+    ``embed_tokens.weight``. ``config``: the draft's config when the pair was already
+    validated by :func:`~edgebuild.checkpoint.draft.pair_draft` (``edgebuild build``);
+    without it, the pair is validated here.
 
     Raises:
-        ConfigError / PairingError / CheckpointError: see :func:`meta_draft`; an rnn head.
+        ConfigError / PairingError / CheckpointError: from ``pair_draft`` (pairing, taps, mask
+            id, heads, fc width, missing or mis-shaped tensors); an rnn head.
     """
+    if config is None:
+        config = pair_draft(pair.target, pair.draft, target_cfg).config
     dtype = options.torch_dtype(target_cfg)
-    model = meta_draft(pair, target_cfg, dtype)
+    model = meta_draft(config, dtype)
     cfg = model.config
     rows = options.rope_rows or target_cfg.max_position_embeddings
     graph = DraftGraph(model, options.kind, options.page_size, rows, options.top_k)

@@ -121,6 +121,30 @@ def _merge_cache(cache, new, past, lengths, t_cache, s_new):
     return op.Where(op.Unsqueeze(inside, _ints(1, 3)), rows, cache)
 
 
+def _rotate_qk(q, k, positions, rope_cos_sin, rotary_dim: int, d: int):
+    """RoPE on q and k ``[B, S, H, D]`` from the table rows at ``positions`` (clamped)."""
+    op = _op()
+    rows = op.Shape(rope_cos_sin, start=0, end=1)
+    pos = op.Max(op.Min(op.Cast(positions, to=7), op.Sub(rows, _int(1))), _int(0))
+    table = op.Unsqueeze(op.Gather(rope_cos_sin, pos, axis=0), _ints(2))  # [B, S, 1, R]
+    cos, sin = (
+        _slice(table, 0, rotary_dim // 2, 3),
+        _slice(table, rotary_dim // 2, rotary_dim, 3),
+    )
+    return _rope(q, cos, sin, rotary_dim, d), _rope(k, cos, sin, rotary_dim, d)
+
+
+def _repeat_kv(kv, hq: int, hkv: int, d: int):
+    """GQA: ``[B, Hkv, T, D]`` -> ``[B, Hq, T, D]`` (q head h reads KV head h // group)."""
+    group = hq // hkv
+    if group == 1:
+        return kv
+    op = _op()
+    return op.Reshape(
+        op.Expand(op.Unsqueeze(kv, _ints(2)), _ints(1, 1, group, 1, 1)), _ints(0, hq, -1, d)
+    )
+
+
 def portable_attention(
     qkv,
     kv_cache,
@@ -163,15 +187,7 @@ def portable_attention(
     if k_norm_weight is not None:
         k = _rms_norm(k, k_norm_weight, rms_norm_eps)
     if rotary_dim:
-        rows = op.Shape(rope_cos_sin, start=0, end=1)
-        pos = op.Max(op.Min(op.Cast(positions, to=7), op.Sub(rows, _int(1))), _int(0))
-        table = op.Unsqueeze(op.Gather(rope_cos_sin, pos, axis=0), _ints(2))  # [B, S, 1, R]
-        cos, sin = (
-            _slice(table, 0, rotary_dim // 2, 3),
-            _slice(table, rotary_dim // 2, rotary_dim, 3),
-        )
-        q = _rope(q, cos, sin, rotary_dim, d)
-        k = _rope(k, cos, sin, rotary_dim, d)
+        q, k = _rotate_qk(q, k, positions, rope_cos_sin, rotary_dim, d)
     k, v = op.CastLike(k, kv_cache), op.CastLike(v, kv_cache)  # rounded to the cache dtype
     past = op.Cast(past_lengths, to=7)
     lengths = op.Cast(input_lengths, to=7)
@@ -181,14 +197,7 @@ def portable_attention(
     cache_v = op.Squeeze(_slice(kv_cache, 1, 2, 1), _ints(1))
     keys = op.Concat(cache_k, op.Transpose(k, perm=[0, 2, 1, 3]), axis=2)  # [B, Hkv, T+S, D]
     values = op.Concat(cache_v, op.Transpose(v, perm=[0, 2, 1, 3]), axis=2)
-    group = hq // hkv
-    if group > 1:  # GQA: q head h reads KV head h // group
-        keys = op.Reshape(
-            op.Expand(op.Unsqueeze(keys, _ints(2)), _ints(1, 1, group, 1, 1)), _ints(0, hq, -1, d)
-        )
-        values = op.Reshape(
-            op.Expand(op.Unsqueeze(values, _ints(2)), _ints(1, 1, group, 1, 1)), _ints(0, hq, -1, d)
-        )
+    keys, values = _repeat_kv(keys, hq, hkv, d), _repeat_kv(values, hq, hkv, d)
     q32 = op.Transpose(op.Cast(q, to=1), perm=[0, 2, 1, 3])  # [B, Hq, S, D]
     keys_t = op.Transpose(op.Cast(keys, to=1), perm=[0, 1, 3, 2])  # [B, Hq, D, T+S]
     scores = op.Mul(op.MatMul(q32, keys_t), _float(scale))  # [B, Hq, S, T+S]

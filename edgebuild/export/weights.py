@@ -330,83 +330,98 @@ def _dequantize_chain(
 ) -> list[ir.Node]:
     """Replace initializer ``value`` by a DequantizeLinear chain over the stored tensors."""
     qw.validate()
-    name, prefix = value.name, qw.name
-    out_f, in_f = qw.shape
+    name = value.name
     nodes: list[ir.Node] = []
     graph.initializers.pop(name)
     value.name = f"{name}.__meta"
     if qw.format is QuantAlgo.NVFP4:
-        if qw.data.shape[1] * 2 != in_f:
-            raise CheckpointError(
-                f"{qw.file}: NVFP4 tensor '{name}' is padded along 'in' ({qw.data.shape[1] * 2} "
-                f"codes for {in_f} inputs); padded NVFP4 weights are not exported yet"
-            )
-        data = _initializer(
-            graph,
-            name,
-            writer.add(name, qw.data, ir.DataType.FLOAT4E2M1, (out_f, qw.data.shape[1] * 2)),
-        )
-        scale = _initializer(
-            graph,
-            f"{prefix}.weight_scale",
-            writer.add(
-                f"{prefix}.weight_scale",
-                qw.weight_scale,
-                ir.DataType.FLOAT8E4M3FN,
-                tuple(qw.weight_scale.shape),
-            ),
-        )
-        global_scale = _initializer(
-            graph,
-            f"{prefix}.weight_scale_2",
-            writer.add(
-                f"{prefix}.weight_scale_2", qw.weight_scale_2.float(), ir.DataType.FLOAT, ()
-            ),
-        )
-        nodes.append(_node("DequantizeLinear", [scale, global_scale], f"{prefix}.block_scale"))
-        nodes.append(
-            _node(
-                "DequantizeLinear",
-                [data, nodes[-1].outputs[0]],
-                f"{name}.dequantized",
-                axis=-1,
-                block_size=qw.group_size,
-            )
-        )
+        nodes += _nvfp4_nodes(graph, name, qw, writer)
     else:
-        data = _initializer(
-            graph, name, writer.add(name, qw.data, ir.DataType.FLOAT8E4M3FN, (out_f, in_f))
-        )
-        if qw.format is QuantAlgo.FP8:
-            ws = qw.weight_scale.float().reshape(-1)
-            scalar = ws.numel() == 1
-            scale = _initializer(
-                graph,
-                f"{prefix}.weight_scale",
-                writer.add(
-                    f"{prefix}.weight_scale", ws, ir.DataType.FLOAT, () if scalar else (out_f,)
-                ),
-            )
-            attrs = {} if scalar else {"axis": 0}
-            nodes.append(_node("DequantizeLinear", [data, scale], f"{name}.dequantized", **attrs))
-        else:  # FP8_BLOCK: per-row block scales along `in`
-            bo, bi = qw.block_size
-            rows = qw.weight_scale_inv.float().repeat_interleave(bo, dim=0)[:out_f]
-            scale = _initializer(
-                graph,
-                f"{prefix}.weight_scale_inv_rows",
-                writer.add(
-                    f"{prefix}.weight_scale_inv_rows", rows, ir.DataType.FLOAT, tuple(rows.shape)
-                ),
-            )
-            nodes.append(
-                _node(
-                    "DequantizeLinear", [data, scale], f"{name}.dequantized", axis=1, block_size=bi
-                )
-            )
+        nodes += _fp8_nodes(graph, name, qw, writer)
     result = nodes[-1].outputs[0]
     if value.dtype != ir.DataType.FLOAT:
         nodes.append(_node("Cast", [result], f"{name}.dense", to=value.dtype))
         result = nodes[-1].outputs[0]
     ir.convenience.replace_all_uses_with(value, result)
+    return nodes
+
+
+def _nvfp4_nodes(
+    graph: ir.Graph, name: str, qw: QuantizedWeight, writer: ExternalDataWriter
+) -> list[ir.Node]:
+    """NVFP4 codes, FP8 block scales and the FP32 global scale -> two DequantizeLinear nodes."""
+    prefix = qw.name
+    out_f, in_f = qw.shape
+    nodes: list[ir.Node] = []
+    if qw.data.shape[1] * 2 != in_f:
+        raise CheckpointError(
+            f"{qw.file}: NVFP4 tensor '{name}' is padded along 'in' ({qw.data.shape[1] * 2} "
+            f"codes for {in_f} inputs); padded NVFP4 weights are not exported yet"
+        )
+    data = _initializer(
+        graph,
+        name,
+        writer.add(name, qw.data, ir.DataType.FLOAT4E2M1, (out_f, qw.data.shape[1] * 2)),
+    )
+    scale = _initializer(
+        graph,
+        f"{prefix}.weight_scale",
+        writer.add(
+            f"{prefix}.weight_scale",
+            qw.weight_scale,
+            ir.DataType.FLOAT8E4M3FN,
+            tuple(qw.weight_scale.shape),
+        ),
+    )
+    global_scale = _initializer(
+        graph,
+        f"{prefix}.weight_scale_2",
+        writer.add(f"{prefix}.weight_scale_2", qw.weight_scale_2.float(), ir.DataType.FLOAT, ()),
+    )
+    nodes.append(_node("DequantizeLinear", [scale, global_scale], f"{prefix}.block_scale"))
+    nodes.append(
+        _node(
+            "DequantizeLinear",
+            [data, nodes[-1].outputs[0]],
+            f"{name}.dequantized",
+            axis=-1,
+            block_size=qw.group_size,
+        )
+    )
+    return nodes
+
+
+def _fp8_nodes(
+    graph: ir.Graph, name: str, qw: QuantizedWeight, writer: ExternalDataWriter
+) -> list[ir.Node]:
+    """FP8 codes and their per-tensor / per-row (FP8 block) scales -> one DequantizeLinear."""
+    prefix = qw.name
+    out_f, in_f = qw.shape
+    nodes: list[ir.Node] = []
+    data = _initializer(
+        graph, name, writer.add(name, qw.data, ir.DataType.FLOAT8E4M3FN, (out_f, in_f))
+    )
+    if qw.format is QuantAlgo.FP8:
+        ws = qw.weight_scale.float().reshape(-1)
+        scalar = ws.numel() == 1
+        scale = _initializer(
+            graph,
+            f"{prefix}.weight_scale",
+            writer.add(f"{prefix}.weight_scale", ws, ir.DataType.FLOAT, () if scalar else (out_f,)),
+        )
+        attrs = {} if scalar else {"axis": 0}
+        nodes.append(_node("DequantizeLinear", [data, scale], f"{name}.dequantized", **attrs))
+    else:  # FP8_BLOCK: per-row block scales along `in`
+        bo, bi = qw.block_size
+        rows = qw.weight_scale_inv.float().repeat_interleave(bo, dim=0)[:out_f]
+        scale = _initializer(
+            graph,
+            f"{prefix}.weight_scale_inv_rows",
+            writer.add(
+                f"{prefix}.weight_scale_inv_rows", rows, ir.DataType.FLOAT, tuple(rows.shape)
+            ),
+        )
+        nodes.append(
+            _node("DequantizeLinear", [data, scale], f"{name}.dequantized", axis=1, block_size=bi)
+        )
     return nodes

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from edgebuild.checkpoint.quant import QuantizedWeight
-from edgebuild.errors import CheckpointError
+from edgebuild.checkpoint.shapes import check_shape, layer_linear_shapes  # noqa: F401 (re-export)
 
 
 @dataclass
@@ -34,6 +34,24 @@ class PagedBatch:
     positions: torch.Tensor
     prefill: bool = False
     _plans: dict = field(default_factory=dict, repr=False)
+    flat_valid: torch.Tensor | None = field(default=None, repr=False)
+
+    def packed_rows(self) -> torch.Tensor | None:
+        """bool [B, S] valid rows when this step is worth running unpadded, else None.
+
+        A decode / verify step (every sequence at most ``ROW_INVARIANT_MAX_ROWS`` new rows)
+        whose sequences have unequal row counts runs its linears over the valid rows only
+        (``[1, N, d]``, N = sum of input_lengths): a verify pass then costs what its rows
+        cost, not B x the longest row count. Row results are the same either way (the packed
+        linears and the decode attention are row-invariant), so this is a speed choice only.
+        """
+        from edgebuild.ops.attention_fast import ROW_INVARIANT_MAX_ROWS
+
+        bsz, rows = self.positions.shape
+        n = int(self.input_lengths.sum())
+        if bsz < 2 or rows > ROW_INVARIANT_MAX_ROWS or n == bsz * rows:
+            return None
+        return torch.arange(rows)[None, :] < self.input_lengths.long()[:, None]
 
     def plan(self, rows: int, page_size: int, causal: bool, write_kv: bool):
         """The eager fast path's DensePlan for this step (built once, shared by all layers)."""
@@ -105,8 +123,13 @@ def attention(
         )
     from edgebuild.ops.attention_fast import paged_attention_planned
 
+    valid = batch.flat_valid
+    if valid is not None:  # rows arrive unpadded [1, N, W]: pad for the plan, unpad after
+        padded = qkv.new_zeros(*valid.shape, qkv.shape[-1])
+        padded[valid] = qkv[0]
+        qkv = padded
     plan = batch.plan(qkv.shape[1], kv_cache.shape[3], causal, write_kv)
-    return paged_attention_planned(
+    out = paged_attention_planned(
         qkv,
         kv_cache,
         plan,
@@ -122,6 +145,9 @@ def attention(
         rms_norm_eps=rms_norm_eps,
         want_output=want_output,
     )
+    if valid is not None and out is not None:
+        out = out[valid].unsqueeze(0)
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -143,32 +169,3 @@ def dense(value: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Te
     if isinstance(value, QuantizedWeight):
         return value.dequantize(dtype)
     return value.to(dtype)
-
-
-def layer_linear_shapes(
-    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int
-) -> dict[str, tuple[int, int]]:
-    """[out, in] of each linear of a pre-norm decoder layer (HF names, relative to the layer).
-
-    Shared by the target (`llama.py`) and the DSpark draft (`dspark.py`), whose layers have
-    the same Qwen3/Llama geometry.
-    """
-    return {
-        "self_attn.q_proj": (heads * head_dim, hidden),
-        "self_attn.k_proj": (kv_heads * head_dim, hidden),
-        "self_attn.v_proj": (kv_heads * head_dim, hidden),
-        "self_attn.o_proj": (hidden, heads * head_dim),
-        "mlp.gate_proj": (intermediate, hidden),
-        "mlp.up_proj": (intermediate, hidden),
-        "mlp.down_proj": (hidden, intermediate),
-    }
-
-
-def check_shape(name: str, file: str, got: tuple, want: tuple, field_hint: str = "") -> None:
-    """Raise CheckpointError when a tensor's shape does not match what the config implies."""
-    if tuple(got) != tuple(want):
-        hint = f" ({field_hint})" if field_hint else ""
-        raise CheckpointError(
-            f"{file}: tensor '{name}' has shape {list(got)} but the config implies "
-            f"{list(want)}{hint}; the weights and config.json do not belong together"
-        )

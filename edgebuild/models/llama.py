@@ -10,6 +10,7 @@ DFlash / EAGLE-3 drafts consume (spec/draft-checkpoint-formats.md section 1.5).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -214,6 +215,12 @@ class LlamaForCausalLM(nn.Module):
             batch, table = self._mrope_rows(batch, mrope_positions)
         else:
             table = self.rope_table(int(batch.positions.max()) + 1)
+        valid = None
+        if mrope_positions is None and not torch.compiler.is_exporting():
+            valid = batch.packed_rows()  # unequal short rows: run the valid rows only
+        if valid is not None:
+            batch = dataclasses.replace(batch, flat_valid=valid, _plans={})
+            x = x[valid].unsqueeze(0)  # [1, N, d]
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layers)
         if -1 in wanted:
@@ -222,13 +229,15 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, kv_caches[i], batch, table)
             if i in wanted:
                 taps[i] = x
+        tap = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
+        if valid is not None:
+            x, tap = _unflatten(x, valid), (None if tap is None else _unflatten(tap, valid))
         if logits_rows is not None:
             idx = logits_rows.unsqueeze(-1).expand(-1, -1, x.shape[-1])
             x = torch.gather(x, 1, idx)
         h = self.model.norm(x)
         head = self.packed_lm_head
         logits = (head(h) if use_packed(head) else self.lm_head(h)).float()
-        tap = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         return logits, tap
 
     def _mrope_rows(
@@ -297,6 +306,13 @@ class LlamaForCausalLM(nn.Module):
         model._rope_table = torch.empty(0, 0)
         model.eval()
         return model
+
+
+def _unflatten(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[1, N, F] valid rows back to [B, S, F] (padding rows zero)."""
+    out = x.new_zeros(*valid.shape, x.shape[-1])
+    out[valid] = x[0]
+    return out
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -80,6 +80,8 @@ class DensePlan:
     write_kv: bool
     past_width: int
     row_invariant: bool = False
+    page_table: Tensor | None = None  # long [B, max_pages] (row-invariant plans: page gather)
+    page_size: int = 0
     prefill: bool = False
     _memo: dict = field(default_factory=dict)
 
@@ -152,7 +154,8 @@ class DensePlan:
         mask = mask & valid[:, :, None]
         return cls(
             wb, wi, w_pages, w_off, r_pages, r_off, key_slots, query_slots, mask, valid,
-            write_kv, width, row_invariant, prefill,
+            write_kv, width, row_invariant, table if row_invariant else None, page_size,
+            prefill,
         )  # fmt: skip
 
     def mask_for(self, sliding_window: int) -> Tensor:
@@ -297,17 +300,60 @@ def _decode_step(
         return out
     new = torch.stack([qk[:, :, hq:], heads[:, :, hq + hkv :]], dim=2)  # [B, S, 2, Hkv, D]
     kv_cache[plan.write_pages, :, :, plan.write_offsets, :] = new[wb, wi].to(kv_cache.dtype)
-    kv = kv_cache[plan.read_pages, :, :, plan.read_offsets, :].to(dtype)  # [B, T, 2, Hkv, D]
-    kt, vt = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, T, D]
-    n = wb.numel()
+    kt, vt = _gather_pages(kv_cache, plan, dtype)  # [B, Hkv, T, D] each
+    mask = plan.mask_for(sliding_window)  # [B, S, T]
     if bsz == 1:
+        n = wb.numel()
         kr, vr = kt.expand(n, -1, -1, -1), vt.expand(n, -1, -1, -1)
-    else:
-        kr, vr = kt[wb], vt[wb]
-    qr = qk[wb, wi, :hq].unsqueeze(2)  # [R, Hq, 1, D]
-    mr = plan.mask_for(sliding_window)[wb, wi][:, None, None, :]  # [R, 1, 1, T]
-    o = F.scaled_dot_product_attention(
-        qr, kr, vr, attn_mask=mr, scale=scale, enable_gqa=hq != hkv
-    )  # [R, Hq, 1, D]
-    out[wb, wi] = o.reshape(n, hq * d).to(dtype)
+        qr = qk[0, wi, :hq].unsqueeze(2)  # [R, Hq, 1, D]
+        o = F.scaled_dot_product_attention(
+            qr, kr, vr, attn_mask=mask[0, wi][:, None, None, :], scale=scale,
+            enable_gqa=hq != hkv,
+        )  # fmt: skip
+        out[0, wi] = o.reshape(n, hq * d).to(dtype)
+        return out
+    # Several sequences: one call per row index i over the sequences that have row i, so
+    # the keys are the gathered tensor itself (or a slice of it), never copied per row.
+    valid = plan.valid_rows
+    for i in range(rows):
+        sel = valid[:, i].nonzero().squeeze(1)
+        n = sel.numel()
+        if n == 0:
+            break
+        if n == bsz:
+            kr, vr, qr, mr = kt, vt, qk[:, i, :hq], mask[:, i]
+        elif int(sel[-1] - sel[0]) + 1 == n:  # a contiguous run of sequences: a view
+            lo, hi = int(sel[0]), int(sel[-1]) + 1
+            kr, vr, qr, mr = kt[lo:hi], vt[lo:hi], qk[lo:hi, i, :hq], mask[lo:hi, i]
+        else:
+            kr, vr, qr, mr = kt[sel], vt[sel], qk[sel, i, :hq], mask[sel, i]
+        o = F.scaled_dot_product_attention(
+            qr.unsqueeze(2),
+            kr,
+            vr,
+            attn_mask=mr[:, None, None, :],
+            scale=scale,
+            enable_gqa=hq != hkv,
+        )  # fmt: skip  [n, Hq, 1, D]
+        out[sel, i] = o.reshape(n, hq * d).to(dtype)
     return out
+
+
+def _gather_pages(kv_cache: Tensor, plan: DensePlan, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(K, V) [B, Hkv, T, D] of every sequence in the plan, gathered page by page.
+
+    Whole pages are copied (``index_select`` on the page axis, then one transpose copy),
+    several times faster than gathering slot by slot; slots past a sequence's length hold
+    stale or other pages' rows, which the plan's mask hides.
+    """
+    table, ps = plan.page_table, plan.page_size
+    bsz, npages = table.shape
+    _, _, hkv, _, d = kv_cache.shape
+    width = plan.past_width
+    need = -(-width // ps)
+    if npages < need:  # a wider key span than the table: pad with page 0 (masked)
+        table = torch.cat([table, table.new_zeros(bsz, need - npages)], dim=1)
+    pages = kv_cache.index_select(0, table[:, :need].reshape(-1))  # [B*need, 2, Hkv, ps, D]
+    pages = pages.view(bsz, need, 2 * hkv, ps, d).transpose(1, 2)
+    kv = pages.reshape(bsz, 2, hkv, need * ps, d)[:, :, :, :width].to(dtype)
+    return kv[:, 0], kv[:, 1]

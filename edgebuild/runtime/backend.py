@@ -52,6 +52,7 @@ class MultimodalPrefill:
 
     @property
     def num_image_rows(self) -> int:
+        """N, the number of image pad rows."""
         return int(self.image_rows.shape[0])
 
 
@@ -99,15 +100,21 @@ class Proposal:
 class TargetBackend(Protocol):
     """Runs the target LLM over a paged KV cache.
 
-    `allocator`: the :class:`~edgebuild.runtime.kv_cache.PageAllocator` of its pools (the
-    decoders keep the prefix cache there).
+    Attributes:
+        vocab_size: V, the width of every logits row (padding rows of the head included).
+        max_model_len: the most rows (prompt + generated + one verify block) one sequence may
+            hold in the cache.
+        allocator: the :class:`~edgebuild.runtime.kv_cache.PageAllocator` of its pools (the
+            decoders keep the prefix cache there).
     """
 
     vocab_size: int
     max_model_len: int
     allocator: PageAllocator
 
-    def new_sequence(self) -> Sequence: ...
+    def new_sequence(self) -> Sequence:
+        """A new, empty sequence (length 0, no pages) in this backend's KV cache."""
+        ...
 
     def forward(
         self,
@@ -116,25 +123,81 @@ class TargetBackend(Protocol):
         logits_rows: list[list[int]],  # per sequence row indices (into its n_b rows)
         tap_layers: tuple[int, ...] = (),
         images: list[MultimodalPrefill | None] | None = None,  # per sequence (prefill only)
-        prefill: bool = False,  # prompt rows: bits independent of chunking and batching
-    ) -> TargetStep: ...
+        prefill: bool = False,
+    ) -> TargetStep:
+        """Append ``rows[b]`` to sequence ``b`` of the batch and return the asked-for logits.
 
-    def rollback(self, seq: Sequence, rows: int) -> None: ...
+        Prefill (n_b = prompt length), decode (n_b = 1) and verify (n_b = drafts + 1) are this
+        one call; each row's numerics must not depend on how many rows share the pass
+        (DESIGN.md, "Exactness").
 
-    def free(self, seq: Sequence) -> None: ...
+        Args:
+            seqs: the B sequences; each grows by n_b rows (their K/V written to the cache).
+            rows: int64 [n_b] token ids per sequence, in position order after its last row.
+            logits_rows: per sequence, indices in ``[0, n_b)`` of the rows whose logits are
+                returned (ascending; e.g. ``[n_b - 1]`` for decode, all rows for verify).
+            tap_layers: output-of-layer ids whose hidden states are returned, concatenated in
+                this order (the draft's ``target_layer_ids``); ``()`` for none.
+            images: per sequence, its prompt's image rows and multimodal RoPE positions
+                (prefill of a prompt with images only), else None.
+            prefill: the rows are prompt rows (a prefill chunk); a backend that can computes
+                them so that a row's bits depend neither on how the prompt is cut into calls
+                nor on the other prompts of the call (chunked prefill, prefix cache).
 
-    def can_fit(self, rows: int) -> bool: ...
+        Returns:
+            :class:`TargetStep`: ``logits[b]`` fp32 ``[len(logits_rows[b]), V]``; ``taps[b]``
+            ``[n_b, len(tap_layers) * d]`` in the hidden-state dtype (None without
+            ``tap_layers``).
+
+        Raises:
+            CacheCapacityError: not enough free KV pages (nothing is written).
+        """
+        ...
+
+    def rollback(self, seq: Sequence, rows: int) -> None:
+        """Drop the last ``rows`` rows of ``seq`` (rejected drafts), ``0 <= rows <= length``;
+        pages that become empty return to the pool.
+
+        Raises:
+            ValueError: ``rows`` outside ``[0, seq.length]``.
+        """
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Return every page of ``seq`` to the pool (idempotent)."""
+        ...
+
+    def can_fit(self, rows: int) -> bool:
+        """True when a sequence of ``rows`` rows fits in the whole KV pool (an empty cache)."""
+        ...
 
 
 class DraftBackend(Protocol):
-    """Runs a speculative draft (DSpark) with its own context cache."""
+    """Runs a speculative draft (DSpark) with its own context cache.
+
+    Attributes:
+        block_size: B, rows of one draft block (anchor + B-1 masks); at most B drafts a step.
+        target_layer_ids: the target layers whose hidden states the draft reads (the
+            ``tap_layers`` of :meth:`TargetBackend.forward`), in concatenation order.
+    """
 
     block_size: int
     target_layer_ids: tuple[int, ...]
 
-    def new_sequence(self) -> Sequence: ...
+    def new_sequence(self) -> Sequence:
+        """A new, empty sequence in the draft's context cache."""
+        ...
 
-    def update_context(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None: ...
+    def update_context(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
+        """Append committed context rows to each sequence's context cache.
+
+        Args:
+            seqs: the B sequences; each grows by m_b rows.
+            features: per sequence ``[m_b, n_t * d]`` target features of its new committed
+                rows (``TargetStep.taps`` rows, n_t = len(target_layer_ids)), in the
+                target's hidden-state dtype.
+        """
+        ...
 
     def propose(
         self,
@@ -143,6 +206,24 @@ class DraftBackend(Protocol):
         num_tokens: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator],
-    ) -> list[Proposal]: ...
+    ) -> list[Proposal]:
+        """Draft a block after each sequence's context (block K/V never persist).
 
-    def free(self, seq: Sequence) -> None: ...
+        Args:
+            seqs: the B sequences (context length s each).
+            anchors: the last committed token id of each sequence (at position s).
+            num_tokens: drafts wanted per sequence, ``0 <= n_b <= block_size`` (0: a
+                budget-cut step, an empty proposal).
+            params: sampling settings per sequence (greedy drafts argmax).
+            generators: per sequence, the torch.Generator the draws come from.
+
+        Returns:
+            One :class:`Proposal` per sequence: ``n_b`` tokens, fp32 ``q [n_b, K]`` (over
+            ``q_ids`` int64 ``[n_b, K]``, or dense over V when ``q_ids`` is None) and fp32
+            ``confidence [n_b]``.
+        """
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Return every page of ``seq``'s context cache (idempotent)."""
+        ...

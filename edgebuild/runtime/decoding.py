@@ -40,6 +40,7 @@ from edgebuild.runtime.metrics import RequestMetrics
 from edgebuild.runtime.prefill import PrefillConfig, PrefillStats
 from edgebuild.runtime.rejection import RESIDUAL_EPS, verify_batch
 from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
+from edgebuild.runtime.spec_schedule import ConfidenceScheduler
 from edgebuild.runtime.stopping import IncrementalDetokenizer, StopChecker
 
 
@@ -356,6 +357,11 @@ class DSparkDecoder(TargetOnlyDecoder):
         num_speculative_tokens: n, 1..block_size drafts per step.
         confidence_threshold: static cutoff tau: the proposal stops at the first position
             whose confidence is below it (0 = off; DeepSpec `_confident_prefix_length`).
+        scheduler: load-aware confidence scheduling
+            (:class:`edgebuild.runtime.spec_schedule.ConfidenceScheduler`): each step verifies
+            the per-request lengths that pay for themselves under the current batch, and
+            skips the draft pass when none does. None = every request verifies n (or up to
+            the static cutoff).
         prefill: prefill settings (:class:`TargetOnlyDecoder`); the taps of every prefill
             chunk (and those cached with a prefix-cache hit) become the draft's context.
     """
@@ -366,6 +372,7 @@ class DSparkDecoder(TargetOnlyDecoder):
         draft: DraftBackend,
         num_speculative_tokens: int,
         confidence_threshold: float = 0.0,
+        scheduler: ConfidenceScheduler | None = None,
         prefill: PrefillConfig | None = None,
     ):
         super().__init__(target, prefill)
@@ -373,6 +380,9 @@ class DSparkDecoder(TargetOnlyDecoder):
         self.n = num_speculative_tokens
         self.threshold = confidence_threshold
         self.taps = tuple(draft.target_layer_ids)
+        self.scheduler = scheduler
+        limits = getattr(draft, "limits", None)  # TensorRT: context rows one pass accepts
+        self.max_pending = getattr(limits, "max_input_len", None)
 
     def start(self, st: RequestState) -> None:
         super().start(st)
@@ -383,6 +393,8 @@ class DSparkDecoder(TargetOnlyDecoder):
         if st.draft_seq is not None:
             self.draft.free(st.draft_seq)
         st.pending_features = None
+        if self.scheduler is not None:
+            self.scheduler.forget(st.request_id)
 
     def step(self, states: list[RequestState]) -> None:
         """One speculative step for every unfinished request (or one prefill chunk)."""
@@ -392,12 +404,67 @@ class DSparkDecoder(TargetOnlyDecoder):
         waiting = [s for s in states if s.anchor is None and not s.finished]
         if waiting:
             self.prefill(waiting, decode_rows=len(live) * (self.n + 1))
-        if live:
-            proposals = self.propose(live)
-            self.verify_and_commit(live, proposals)
+        if not live:
+            return
+        if self.scheduler is not None:
+            self._scheduled_step(live)
+            return
+        proposals = self.propose(live)
+        self.verify_and_commit(live, proposals)
 
-    def propose(self, live: list[RequestState]) -> list[Proposal]:
-        """Extend the draft context with pending target features, then draft a block each."""
+    def _scheduled_step(self, live: list[RequestState]) -> None:
+        """A step under confidence scheduling (:mod:`edgebuild.runtime.spec_schedule`)."""
+        sch = self.scheduler
+        t_step = time.perf_counter()
+        budgets = [max(0, min(self.n, s.remaining - 1)) for s in live]
+        plan = sch.plan([s.request_id for s in live], budgets)
+        overdue = self.max_pending is not None and any(
+            s.pending_features is not None and len(s.pending_features) >= self.max_pending - 1
+            for s in live
+        )  # a TensorRT draft takes at most max_input_len context rows in one pass
+        if max(plan.lengths, default=0) == 0 and not overdue:
+            self._decode_with_taps(live)
+            sch.costs.observe([1] * len(live), 0, time.perf_counter() - t_step)
+            return
+        drafted = min(self.n, max(plan.lengths, default=0) + 1)
+        counts = [min(b, drafted) for b in budgets]
+        full = self.propose(live, counts)
+        choice = sch.choose(
+            [sch.calibrated(p.confidence) for p in full],
+            [len(p) for p in full],
+            draft_rows=max(counts),
+        )
+        proposals = [p.truncated(k) for p, k in zip(full, choice.lengths, strict=True)]
+        _, accepted = self.verify_and_commit(live, proposals)
+        sch.costs.observe(
+            [1 + len(p) for p in proposals], max(counts), time.perf_counter() - t_step
+        )
+        for st, p, k, a in zip(live, full, choice.lengths, accepted, strict=True):
+            sch.record(st.request_id, p.confidence, k, a)
+
+    def _decode_with_taps(self, live: list[RequestState]) -> None:
+        """A plain decode pass (no draft pass this step); its taps join the pending context."""
+        t0 = time.perf_counter()
+        rows = [torch.tensor([s.anchor], dtype=torch.int64) for s in live]
+        out = self.target.forward([s.seq for s in live], rows, [[0]] * len(live), self.taps)
+        dt = time.perf_counter() - t0
+        tokens = next_tokens([lg[0] for lg in out.logits], [s.params for s in live], live)
+        for b, (st, token) in enumerate(zip(live, tokens, strict=True)):
+            tap = out.taps[b][:1]
+            if st.pending_features is None or not len(st.pending_features):
+                st.pending_features = tap.clone()  # TensorRT taps live in a reused ring
+            else:
+                st.pending_features = torch.cat([st.pending_features, tap])
+            st.anchor = token
+            st.metrics.verify_s += dt / len(live)
+            st.metrics.record_step(proposed=0, accepted=0)
+            self._commit(st, [token])
+
+    def propose(self, live: list[RequestState], counts: list[int] | None = None) -> list[Proposal]:
+        """Extend the draft context with pending target features, then draft a block each.
+
+        counts: drafts per request (default: n, cut to the remaining budget).
+        """
         t0 = time.perf_counter()
         need = [s for s in live if s.pending_features is not None and len(s.pending_features)]
         if need:
@@ -407,7 +474,8 @@ class DSparkDecoder(TargetOnlyDecoder):
             for s in need:
                 s.pending_features = None
         # Budget: a step commits n+1 tokens at most, so never draft past the remaining budget.
-        counts = [max(0, min(self.n, s.remaining - 1)) for s in live]
+        if counts is None:
+            counts = [max(0, min(self.n, s.remaining - 1)) for s in live]
         proposals = self.draft.propose(
             [s.draft_seq for s in live],
             [s.anchor for s in live],
@@ -427,8 +495,13 @@ class DSparkDecoder(TargetOnlyDecoder):
         n = int(below[0]) if len(below) else len(prop.tokens)
         return prop.truncated(n)
 
-    def verify_and_commit(self, live: list[RequestState], proposals: list[Proposal]) -> None:
-        """Target pass over [anchor, drafts]; accept, resample or bonus; roll back; commit."""
+    def verify_and_commit(
+        self, live: list[RequestState], proposals: list[Proposal]
+    ) -> tuple[float, list[int]]:
+        """Target pass over [anchor, drafts]; accept, resample or bonus; roll back; commit.
+
+        Returns (seconds of the target pass, drafts accepted per request).
+        """
         t0 = time.perf_counter()
         rows = [
             torch.tensor([s.anchor, *p.tokens], dtype=torch.int64)
@@ -449,6 +522,7 @@ class DSparkDecoder(TargetOnlyDecoder):
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=n, accepted=a)
             self._commit(st, v.tokens(prop.tokens))
+        return dt, [v.accepted for v in verdicts]
 
 
 def next_tokens(

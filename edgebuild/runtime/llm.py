@@ -24,7 +24,6 @@ from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.ops.linear import QUANT_MODES
 from edgebuild.runtime.cpu import describe_cpu, resolve_dtype
 from edgebuild.runtime.decoding import (
-    DSparkDecoder,
     RequestState,
     TargetOnlyDecoder,
     run_to_completion,
@@ -37,9 +36,9 @@ from edgebuild.runtime.multimodal import (
 )
 from edgebuild.runtime.prefill import PrefillConfig
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.stopping import IncrementalDetokenizer
 from edgebuild.runtime.torch_backend import DEFAULT_PAGE_SIZE, TorchTarget
+from edgebuild.speculative.config import SpeculativeConfig
 
 log = logging.getLogger("edgebuild.runtime")
 
@@ -149,12 +148,14 @@ class LLM:
         if backend == "tensorrt":  # the bundle's engines; no torch weights are loaded
             from edgebuild.runtime.trt_backend import open_trt_runtime
 
-            rt = open_trt_runtime(resolved, spec)
+            rt = open_trt_runtime(resolved, spec, source=self.source)  # opened once
             self.options, self.config = rt.runtime_options(self.options), rt.config
             self.target_model, self.vision = None, rt.vision  # vision: the visual engine
             self.target, self.draft = rt.target, rt.draft
             self.decoder = rt.decoder(spec, self.options.prefill_config())
             self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
+            if spec is not None and spec.confidence_scheduling:
+                self.enable_confidence_scheduling(1)
             return
         self.options.dtype = resolve_dtype(self.options.dtype)
         if self.options.quant not in (None, *QUANT_MODES):
@@ -170,9 +171,10 @@ class LLM:
         )
         draft_loader = None
         if spec is not None:  # validate the pair before loading the (large) target
-            from edgebuild.runtime.dspark_backend import prepare_draft
+            from edgebuild.speculative.registry import get_method
 
-            draft_loader = prepare_draft(spec, self.source)
+            method = get_method(spec.method)  # the method's record: loader and decoder
+            draft_loader = method.resolve("torch_loader")(spec, self.source)  # one DraftPlan
         self.target_model = LlamaForCausalLM.from_source(self.source, self.options.dtype)
         self.config = self.target_model.config
         self.vision: VisionEncoder | None = None
@@ -189,17 +191,76 @@ class LLM:
         )
         if draft_loader is not None:
             self.draft = draft_loader(self.options)
-            self.decoder = DSparkDecoder(
+            self.decoder = method.resolve("decoder")(
                 self.target,
                 self.draft,
                 spec.num_speculative_tokens,
                 spec.confidence_threshold,
-                self.options.prefill_config(),
+                prefill=self.options.prefill_config(),
             )
         else:
             self.draft = None
             self.decoder = TargetOnlyDecoder(self.target, self.options.prefill_config())
         self._ids = itertools.count()
+        if spec is not None and spec.confidence_scheduling:
+            self.enable_confidence_scheduling(1)
+
+    def enable_confidence_scheduling(self, max_batch: int, repeats: int = 2):
+        """Profile this backend's step costs up to `max_batch` requests and turn on
+        load-aware confidence scheduling (:mod:`edgebuild.runtime.spec_schedule`).
+
+        The profile runs dummy passes over a context of up to 128 rows per sequence (fewer
+        when the KV pool is small) and takes a few seconds; the server calls this once at
+        start-up with its ``--max-batch-size``. Returns the scheduler.
+
+        Raises:
+            ConfigError: no draft is loaded.
+        """
+        from edgebuild.runtime.spec_schedule import ConfidenceScheduler, profile_step_costs
+
+        if self.draft is None or not hasattr(self.decoder, "scheduler"):
+            raise ConfigError("confidence scheduling needs a speculative draft")
+        n = self.decoder.n
+        rows = self.target.allocator.num_pages * self.target.allocator.page_size
+        drows = self.draft.allocator.num_pages * self.draft.allocator.page_size
+        limits = getattr(self.target, "limits", None)  # TensorRT: the engines' batch
+        max_batch = min(max_batch, getattr(limits, "max_batch", max_batch))
+        batch = max(
+            1, min(max_batch, rows // (n + 2 + 16), drows // (2 * self.draft.block_size + 16))
+        )
+        ctx = max(8, min(128, rows // batch - n - 2, drows // batch - 2 * self.draft.block_size))
+        taps = tuple(self.draft.target_layer_ids)
+        seqs, dseqs = [], []
+        params = SamplingParams(max_tokens=n + 2)
+        try:
+            for _ in range(batch):
+                seq, dseq = self.target.new_sequence(), self.draft.new_sequence()
+                seqs.append(seq)
+                dseqs.append(dseq)
+                ids = torch.arange(ctx, dtype=torch.int64) % self.config.vocab_size
+                out = self.target.forward([seq], [ids], [[ctx - 1]], taps)
+                self.draft.update_context([dseq], [out.taps[0].clone()])
+            anchor = int(ids[-1])
+
+            def verify_pass(lens: list[int]) -> None:
+                ss = seqs[: len(lens)]
+                new = [torch.full((k,), anchor, dtype=torch.int64) for k in lens]
+                self.target.forward(ss, new, [list(range(k)) for k in lens], taps)
+                for s, k in zip(ss, lens, strict=True):
+                    self.target.rollback(s, k)
+
+            def draft_pass(b: int, drafted: int) -> None:
+                gens = [torch.Generator() for _ in range(b)]
+                self.draft.propose(dseqs[:b], [anchor] * b, [drafted] * b, [params] * b, gens)
+
+            costs = profile_step_costs(verify_pass, draft_pass, batch, n, repeats)
+        finally:
+            for s in seqs:
+                self.target.free(s)
+            for d in dseqs:
+                self.draft.free(d)
+        self.decoder.scheduler = ConfidenceScheduler(costs, n)
+        return self.decoder.scheduler
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

@@ -734,8 +734,9 @@ class TrtRuntime:
                 the candidate count the draft engine was built with (it is part of the
                 engine's shapes and cannot change at run time).
         """
-        from edgebuild.runtime.decoding import DSparkDecoder, TargetOnlyDecoder
+        from edgebuild.runtime.decoding import TargetOnlyDecoder
         from edgebuild.runtime.prefill import PrefillConfig
+        from edgebuild.speculative.registry import get_method
 
         lim = self.plan.limits  # chunks never above the engines' max input length
         prefill = (prefill or PrefillConfig()).resolved(lim.page_size, lim.max_input_len)
@@ -757,9 +758,9 @@ class TrtRuntime:
                 f"position; omit draft_top_k, set it to {self.draft.top_k}, or rebuild the "
                 "bundle with speculative.draft_top_k in its recipe"
             )
-        return DSparkDecoder(
+        return get_method(spec.method).resolve("decoder")(
             self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold,
-            prefill,
+            prefill=prefill,
         )  # fmt: skip
 
 
@@ -878,8 +879,11 @@ def assemble_runtime(
     return TrtRuntime(target, draft, config, plan, dict(runners), vision)
 
 
-def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRuntime:
+def open_trt_runtime(resolved, spec, options: TrtOptions | None = None, source=None) -> TrtRuntime:
     """Load a bundle's engines onto the GPU (``resolved``: :func:`resolve_model_path`'s result).
+
+    ``source``: the target checkpoint's WeightSource when the caller has opened it already
+    (:class:`~edgebuild.runtime.llm.LLM`; not re-read), else it is opened here.
 
     A VLM bundle also loads its ``visual`` engine (:class:`TrtVisual`). Not run here: this
     needs TensorRT and a CUDA GPU (the CPU tests go through :func:`assemble_runtime`).
@@ -892,7 +896,7 @@ def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRu
     """
     from edgebuild.checkpoint.config import ModelConfig
     from edgebuild.checkpoint.source import WeightSource
-    from edgebuild.doctor import plugin_library_path
+    from edgebuild.engine.plugin_library import plugin_library_path
     from edgebuild.runtime.trt_engine import (
         TrtEngineRunner,
         load_plugin_library,
@@ -903,7 +907,7 @@ def open_trt_runtime(resolved, spec, options: TrtOptions | None = None) -> TrtRu
     if resolved.bundle is None:
         raise ConfigError(f"{resolved.target}: the TensorRT backend runs bundles (edgebuild build)")
     bundle, manifest = Path(resolved.bundle), resolved.manifest
-    source = WeightSource(resolved.target)
+    source = source if source is not None else WeightSource(resolved.target)
     config = ModelConfig.from_dict(source.config, str(source.config_path))
     with_visual = _check_vision(manifest, config, bundle)
     trt = load_tensorrt_runtime()

@@ -3,9 +3,10 @@
 Owns
 * :class:`EngineLimits`: the shapes the engines were built for (``build`` settings and the
   speculative verify length), the KV page geometry derived from them.
-* :func:`role_profiles` / :func:`choose_profile`: each role's optimization profiles, computed
-  by the engine builder's own :func:`edgebuild.engine.builder.profiles` (so the runtime and the
-  builder cannot disagree), and the profile a call's shapes run in.
+* :func:`role_profiles` / :func:`choose_profile`: each role's optimization profiles, read from
+  the manifest (``roles.<role>.profiles``, which the builder records from the profiles it
+  builds the engines with, so the runtime and the builder cannot disagree), and the profile a
+  call's shapes run in.
 * :func:`plan_buffers` -> :class:`BufferPlan`: every buffer the backend allocates once, with
   its dtype, maximum shape and byte count: engine inputs/outputs at the largest shape any
   profile admits, the per-layer KV page pools (``present_kv_cache_i`` aliases
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edgebuild.bundle.manifest import engine_profiles
 from edgebuild.errors import BundleError, EngineError
 
 # dtype names as the manifest writes them (str(torch.dtype) without "torch.")
@@ -220,21 +222,13 @@ class Profile:
 
 
 def role_profiles(manifest: dict, role: str) -> list[Profile]:
-    """The optimization profiles of ``role``'s engine, in engine order (as the builder made them)."""
-    from edgebuild.engine.builder import VisualGeometry, profile_names, profiles
-    from edgebuild.recipe import BuildSettings
+    """The optimization profiles of ``role``'s engine, in engine order, as the manifest records
+    them (``roles.<role>.profiles``, written by the builder at build time).
 
-    build = {
-        k: v for k, v in (manifest.get("build") or {}).items() if k in BuildSettings.model_fields
-    }
-    limits = EngineLimits.from_manifest(manifest)
-    io = role_io(manifest, role)
-    specs = [{"name": t.name, "dims": list(t.dims)} for t in io.inputs]
-    visual = None
-    if role == "visual":  # the visual engine's axes also depend on the tower's geometry
-        visual = VisualGeometry.from_role(manifest["roles"]["visual"])
-    made = profiles(role, specs, BuildSettings(**build), limits.num_speculative_tokens, visual)
-    return [Profile(n, s) for n, s in zip(profile_names(role), made, strict=True)]
+    Raises:
+        BundleError: a bundle that records no profiles (rebuild it) or a malformed record.
+    """
+    return [Profile(name, shapes) for name, shapes in engine_profiles(manifest, role)]
 
 
 def choose_profile(profiles: list[Profile], shapes: dict[str, tuple[int, ...]]) -> int:

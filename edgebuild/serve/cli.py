@@ -15,6 +15,9 @@ from edgebuild.errors import EdgebuildError
 from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from edgebuild.serve.config import BACKENDS, ServeConfig, load_state
+from edgebuild.speculative.registry import speculative_help
+
+SPECULATIVE_HELP = speculative_help()  # the methods of the registry
 
 
 @click.command(context_settings={"show_default": True})
@@ -22,7 +25,7 @@ from edgebuild.serve.config import BACKENDS, ServeConfig, load_state
 @click.option(
     "--speculative-config",
     default=None,
-    help='JSON, e.g. {"method":"dspark","model":DRAFT,"num_speculative_tokens":7}',
+    help=SPECULATIVE_HELP,
 )
 @click.option("--host", default="127.0.0.1", help="Address to listen on.")
 @click.option("--port", default=8000, type=int)

@@ -144,6 +144,10 @@ class ServeState:
         llm.set_prefill(config.prefill)
         metrics = ServeMetrics(config.model_name)
         metrics.prefill_start(llm.decoder.stats)
+        spec = llm.speculative
+        metrics.speculative = spec is not None
+        if spec is not None and spec.confidence_scheduling:
+            metrics.attach_schedule(llm.enable_confidence_scheduling(config.max_batch_size))
         scheduler = Scheduler(llm, config.max_batch_size, config.max_queued_requests, metrics)
         return cls(config, llm, scheduler, metrics, backend or BackendChoice("torch", "given"))
 

@@ -151,12 +151,29 @@ class ServeMetrics:
         self._spec = RequestMetrics()
         self._prefill = PrefillStats()  # the decoder's totals when last read
         self._prefix = [0, 0]  # hits, queries counted by this server
+        self.speculative = False  # set by the server: count draft-less steps of DSpark too
+
+    def attach_schedule(self, scheduler) -> None:
+        """Export a :class:`~edgebuild.runtime.spec_schedule.ConfidenceScheduler`'s counters
+        (read at scrape time):
+
+        - ``edgellm_spec_decode_scheduled_steps_total`` steps it scheduled, and
+          ``edgellm_spec_decode_draft_skipped_steps_total`` those that ran no draft pass;
+        - ``edgellm_spec_decode_verify_length_total{length}`` request-steps that verified
+          ``length`` drafts (the chosen lengths);
+        - ``edgellm_spec_decode_predicted_accepted_tokens_total`` (sum of the calibrated
+          cumulative confidences of the chosen drafts) against
+          ``edgellm_spec_decode_realised_accepted_tokens_total`` (drafts accepted);
+        - ``edgellm_spec_decode_cost_scale{step}``: measured / profiled step time, for
+          draft-less (decode) and drafting (speculative) steps.
+        """
+        self.registry.register(_ScheduleCollector(scheduler))
 
     def request_finished(self, reason: str, m: RequestMetrics, e2e_s: float) -> None:
         """Count a finished (or aborted) request and fold its decoding metrics in."""
         self.requests.labels(reason).inc()
         self.e2e.observe(e2e_s)
-        if not m.proposed_at:
+        if not m.proposed_at and not (self.speculative and m.steps):
             return
         self.spec_steps.inc(m.steps)
         self.spec_committed.inc(m.committed)
@@ -198,3 +215,46 @@ class ServeMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+class _ScheduleCollector:
+    """Prometheus collector over a ConfidenceScheduler's stats (see attach_schedule)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.scheduler.stats
+        p = "edgellm_spec_decode_"
+        yield CounterMetricFamily(p + "scheduled_steps", "Steps confidence-scheduled", st.steps)
+        yield CounterMetricFamily(
+            p + "draft_skipped_steps", "Scheduled steps that ran no draft pass",
+            st.skipped_drafts,
+        )  # fmt: skip
+        lengths = CounterMetricFamily(
+            p + "verify_length",
+            "Request-steps by drafts verified (chosen length)",
+            labels=["length"],
+        )
+        for k, count in enumerate(list(st.chosen)):
+            lengths.add_metric([str(k)], count)
+        yield lengths
+        yield CounterMetricFamily(
+            p + "predicted_accepted_tokens",
+            "Sum of calibrated cumulative confidences of the verified drafts",
+            st.predicted_accepted,
+        )
+        yield CounterMetricFamily(
+            p + "realised_accepted_tokens", "Verified drafts accepted", st.realised_accepted
+        )
+        scale = GaugeMetricFamily(
+            p + "cost_scale", "Measured / profiled seconds of a step", labels=["step"]
+        )
+        scale.add_metric(["decode"], self.scheduler.costs.decode_scale)
+        scale.add_metric(["speculative"], self.scheduler.costs.spec_scale)
+        yield scale

@@ -25,7 +25,7 @@ import torch
 
 from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import default_draft_top_k
+from edgebuild.speculative.config import default_draft_top_k
 from tools.train_dspark.prompts import DATA_DIR, read_jsonl
 
 

@@ -1,0 +1,368 @@
+"""Load-aware confidence scheduling of DSpark verification (DSpark paper, Algorithm 1).
+
+Fixed-length speculation verifies ``n`` drafts of every request each step. Under load that
+costs more than it returns: a verify row is cheap only while the pass is bound by reading the
+weights, and on a CPU (or a small accelerator) a batch of 16 requests x 8 rows is compute
+bound. The scheduler instead decides, every step, how many drafts of each request to verify:
+
+1. **Rank.** Draft position k of request b is accepted (together with every position before
+   it) with probability ``P[b, k] = f_k * prod_{i<=k} c[b, i]``: the cumulative product of the
+   draft's confidence head ``c``, times a per-position calibration ``f_k`` learnt online from
+   what verification realises (so a miscalibrated head, or a draft without one, still gets
+   sensible numbers). The expected tokens a step commits are ``B + sum of the chosen P``.
+2. **Cost.** :class:`StepCosts` predicts the seconds of a verify pass from the batch size and
+   the rows per sequence, and of a draft pass from the batch size and the drafted rows:
+   profiled on this backend at start-up (:func:`profile_step_costs`) and corrected online by
+   the ratio of measured to predicted time (which also follows the machine's load).
+3. **Choose.** Positions are taken in order of decreasing ``P`` (per request this is its
+   prefix order, P being a cumulative product) and the prefix that maximises
+   ``expected tokens / predicted step seconds`` wins. Before the draft pass the same choice
+   runs on *predicted* confidences (each request's last profile, else the running mean): when
+   verifying nothing wins, the step skips the draft and runs a plain decode pass (the draft
+   context catches up later), so under heavy load DSpark costs what target-only costs.
+   With several requests the draft pass must promise a margin (:func:`draft_margin`).
+
+Lossless: the lengths depend only on the draft's own outputs, the cost model and past steps,
+never on this step's target output, so acceptance stays the exact rule of
+:mod:`edgebuild.runtime.rejection` on a (shorter) prefix of the proposal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("edgebuild.runtime")
+
+CALIBRATION_PRIOR = 4.0  # pseudo-observations behind the initial calibration factor 1.0
+CALIBRATION_DECAY = 0.999  # per observation: old steps fade (drafts drift with the text)
+COST_EMA = 0.05  # weight of one measured step in the online cost correction
+INITIAL_PROFILE = 0.6  # prior per-position acceptance before any step was observed
+PROFILE_EMA = 0.1  # weight of one request's step in the running mean profile
+STALE_DRIFT = 0.2  # per skipped step, a request's profile moves this far to the mean
+DRAFT_MARGIN = 0.2  # with B requests a draft pass must promise 20% * (1 - 1/B) more tokens/s
+# than a plain decode step. Drafting desynchronises the requests of a batch (they finish, and
+# their clients' next requests arrive, at different steps, so more steps run part-empty), a
+# cost no single step sees; measured with bench/serve_load.py at 4 clients: without a margin
+# scheduled DSpark was 8% below target-only, with it even. One request alone pays nothing.
+
+
+def draft_margin(batch: int) -> float:
+    """Relative gain a draft pass must promise over a plain decode step (DRAFT_MARGIN)."""
+    return DRAFT_MARGIN * (1.0 - 1.0 / max(batch, 1))
+
+
+@dataclass
+class StepCosts:
+    """Seconds of a verify (target) pass and of a draft pass, by batch size and width.
+
+    Attributes:
+        batch_sizes: ascending batch sizes B of the grid (the first is 1).
+        widths: ascending rows per sequence S of a verify pass (1 = plain decode).
+        verify: seconds [len(batch_sizes)][len(widths)] of a target pass with B sequences of
+            S new rows each.
+        ragged: seconds [len(batch_sizes)] per extra row *level*: a pass whose longest
+            sequence has S_max rows but whose mean is lower costs the mean-width pass plus
+            ``ragged * (S_max - mean)`` (the decode attention runs once per row index).
+        draft: seconds [len(batch_sizes)][len(widths)] of a draft pass over B sequences that
+            drafts S - 1 rows each (column 0, S = 1, is unused: no draft pass).
+    """
+
+    batch_sizes: tuple[int, ...]
+    widths: tuple[int, ...]
+    verify: list[list[float]]
+    ragged: list[float]
+    draft: list[list[float]]
+    decode_scale: float = 1.0  # online correction of a draft-less step: measured / profiled
+    spec_scale: float = 1.0  # ... of a drafting step (draft + verify + the decoder's own work)
+
+    def __post_init__(self):
+        if (
+            not self.batch_sizes
+            or self.batch_sizes[0] != 1
+            or list(self.batch_sizes) != sorted(set(self.batch_sizes))
+        ):
+            raise ValueError(f"batch_sizes must ascend from 1, got {self.batch_sizes}")
+        if not self.widths or self.widths[0] != 1 or list(self.widths) != sorted(set(self.widths)):
+            raise ValueError(f"widths must ascend from 1, got {self.widths}")
+        shape = (len(self.batch_sizes), len(self.widths))
+        for name in ("verify", "draft"):
+            table = getattr(self, name)
+            if len(table) != shape[0] or any(len(r) != shape[1] for r in table):
+                raise ValueError(f"{name} must be {shape[0]} x {shape[1]}")
+        if len(self.ragged) != shape[0]:
+            raise ValueError(f"ragged must have {shape[0]} entries")
+
+    # ------------------------------------------------------------------ interpolation
+    @staticmethod
+    def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+        """Piecewise-linear through (xs, ys), extrapolated linearly past the last point."""
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        for i in range(1, len(xs)):
+            if x <= xs[i] or i == len(xs) - 1:
+                x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        raise AssertionError("unreachable")
+
+    def _grid(self, table: list[list[float]], batch: int, width: float) -> float:
+        per_b = [self._interp(self.widths, row, width) for row in table]
+        return max(0.0, self._interp(self.batch_sizes, per_b, batch))
+
+    def verify_s(self, rows: Sequence[int]) -> float:
+        """Profiled seconds of one target pass with ``rows[b]`` new rows for sequence b."""
+        batch = len(rows)
+        if batch == 0:
+            return 0.0
+        mean = sum(rows) / batch
+        base = self._grid(self.verify, batch, mean)
+        extra = self._interp(self.batch_sizes, self.ragged, batch) * (max(rows) - mean)
+        return base + max(0.0, extra)
+
+    def draft_s(self, batch: int, drafted: int) -> float:
+        """Profiled seconds of one draft pass over ``batch`` sequences drafting ``drafted``
+        rows each (0 when nothing is drafted: the pass is skipped)."""
+        if batch == 0 or drafted <= 0:
+            return 0.0
+        return self._grid(self.draft, batch, drafted + 1)
+
+    def step_s(self, rows: Sequence[int], drafted: int) -> float:
+        """Predicted wall seconds of a whole decoder step: a plain decode pass when nothing
+        is drafted, else the draft pass plus the verify pass of ``rows``; each kind scaled by
+        what such steps measured (:meth:`observe`), which folds in the decoder's own work
+        (sampling, bookkeeping) and the machine's current load."""
+        if drafted <= 0:
+            return self.verify_s([1] * len(rows)) * self.decode_scale
+        return (self.draft_s(len(rows), drafted) + self.verify_s(rows)) * self.spec_scale
+
+    def observe(self, rows: Sequence[int], drafted: int, measured: float) -> None:
+        """Fold one measured step (as in :meth:`step_s`) into its online correction."""
+        attr = "decode_scale" if drafted <= 0 else "spec_scale"
+        profiled = self.step_s(rows, drafted) / getattr(self, attr)
+        if profiled <= 0 or measured <= 0:
+            return
+        ratio = measured / profiled
+        setattr(self, attr, (1 - COST_EMA) * getattr(self, attr) + COST_EMA * ratio)
+
+
+def profile_step_costs(
+    verify_pass: Callable[[list[int]], None],
+    draft_pass: Callable[[int, int], None],
+    max_batch: int,
+    num_speculative_tokens: int,
+    repeats: int = 2,
+) -> StepCosts:
+    """Time the backend's passes on a grid and return the :class:`StepCosts` table.
+
+    Args:
+        verify_pass: ``verify_pass(rows)`` runs one target pass with ``rows[b]`` new rows of
+            sequence b (and rolls them back).
+        draft_pass: ``draft_pass(batch, drafted)`` runs one draft pass drafting ``drafted``
+            rows for each of ``batch`` sequences.
+        max_batch: the largest batch the server steps (grid: powers of two up to it).
+        num_speculative_tokens: n; widths 1, 2, 3, 5, n + 1 (those <= n + 1).
+        repeats: timings per grid point (the fastest is kept: the least disturbed).
+    """
+    n = num_speculative_tokens
+    batches = sorted({1, *[b for b in (2, 4, 8, 16, 32, 64) if b < max_batch], max_batch})
+    widths = sorted({w for w in (1, 2, 3, 5, n + 1) if w <= n + 1})
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first call warms up
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times[1:]) if len(times) > 1 else times[0]
+
+    t0 = time.perf_counter()
+    verify, draft, ragged = [], [], []
+    for b in batches:
+        verify.append([best(lambda b=b, w=w: verify_pass([w] * b)) for w in widths])
+        draft.append([0.0] + [best(lambda b=b, w=w: draft_pass(b, w - 1)) for w in widths[1:]])
+        if b > 1 and widths[-1] > 1:
+            top = widths[-1]
+            rows = [top] + [1] * (b - 1)
+            mean = sum(rows) / b
+            t = best(lambda rows=rows: verify_pass(rows))
+            flat = StepCosts._interp(widths, verify[-1], mean)
+            ragged.append(max(0.0, (t - flat) / (top - mean)))
+        else:
+            ragged.append(0.0)
+    costs = StepCosts(tuple(batches), tuple(widths), verify, ragged, draft)
+    log.info(
+        "confidence scheduling: profiled %d x %d step costs in %.1f s (decode at B=1 %.1f ms, "
+        "verify of %d rows %.1f ms)",
+        len(batches), len(widths), time.perf_counter() - t0, verify[0][0] * 1e3, n + 1,
+        verify[0][-1] * 1e3,
+    )  # fmt: skip
+    return costs
+
+
+@dataclass
+class Choice:
+    """Verify lengths chosen for one step: ``lengths[b]`` drafts of request b (0 = none)."""
+
+    lengths: list[int]
+    expected_tokens: float  # B + sum of the chosen P
+    predicted_s: float  # draft + verify seconds of the step
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the server exports (`/metrics`)."""
+
+    steps: int = 0  # steps scheduled
+    skipped_drafts: int = 0  # steps that ran no draft pass
+    chosen: list[int] = field(default_factory=list)  # [k] = request-steps verifying k drafts
+    predicted_accepted: float = 0.0  # sum over request-steps of the chosen P (calibrated)
+    realised_accepted: int = 0  # drafts those request-steps accepted
+
+
+class ConfidenceScheduler:
+    """Chooses each step's per-request verify lengths (module docstring).
+
+    Args:
+        costs: the step cost model (:func:`profile_step_costs`), corrected online.
+        num_speculative_tokens: n, the most drafts one request verifies per step.
+    """
+
+    def __init__(self, costs: StepCosts, num_speculative_tokens: int):
+        self.costs = costs
+        self.n = num_speculative_tokens
+        # calibration f_k = (realised_k + prior) / (predicted_k + prior), decayed sums
+        self._real = [0.0] * self.n
+        self._pred = [0.0] * self.n
+        self.mean_profile = [INITIAL_PROFILE ** (k + 1) for k in range(self.n)]
+        self.profiles: dict[str, list[float]] = {}  # request id -> last calibrated P
+        self.stats = SchedulerStats(chosen=[0] * (self.n + 1))
+
+    # ------------------------------------------------------------------ probabilities
+    def calibrated(self, confidence: torch.Tensor) -> list[float]:
+        """P[k] = min(1, f_k * prod_{i<=k} c_i) for a proposal's fp32 [m] confidences."""
+        cum = torch.cumprod(confidence.float().clamp(0.0, 1.0), 0).tolist()
+        return [min(1.0, self._factor(k) * c) for k, c in enumerate(cum)]
+
+    def _factor(self, k: int) -> float:
+        return (self._real[k] + CALIBRATION_PRIOR) / (self._pred[k] + CALIBRATION_PRIOR)
+
+    def predicted_profile(self, request_id: str) -> list[float]:
+        """The request's last calibrated profile, else the running mean (length n)."""
+        prof = self.profiles.get(request_id)
+        if prof is None:
+            return list(self.mean_profile)
+        return prof + self.mean_profile[len(prof) :]
+
+    # ------------------------------------------------------------------ the choice
+    def choose(
+        self,
+        profiles: list[list[float]],
+        budgets: list[int],
+        draft_rows: int | None = None,
+    ) -> Choice:
+        """Algorithm 1: the prefix of positions ranked by P that maximises tokens / second.
+
+        Args:
+            profiles: per request, P[k] for k = 0.. (non-increasing; cumulative products).
+            budgets: per request, the most drafts it may verify (remaining budget, drafted).
+            draft_rows: None before the draft pass (its cost depends on the longest choice);
+                else the rows the draft pass drafted (its cost is then fixed).
+        """
+        batch = len(profiles)
+        ranked = sorted(
+            (
+                (p, b, k)
+                for b, prof in enumerate(profiles)
+                for k, p in enumerate(prof[: budgets[b]])
+            ),
+            key=lambda t: -t[0],
+        )
+        lengths = [0] * batch
+        best = self._evaluate(lengths, float(batch), draft_rows)
+        best_rate = best.expected_tokens / best.predicted_s
+        if not ranked:
+            return best
+        # No drafting choice beats its cheapest version with every position's gain: skip fast.
+        total = batch + sum(p for p, _, _ in ranked)
+        cheapest = self.costs.step_s([2] + [1] * (batch - 1), draft_rows or 1)
+        if draft_rows is None:
+            cheapest *= 1.0 + draft_margin(batch)
+        if total / cheapest <= best_rate:
+            return best
+        suffix = [0.0] * (len(ranked) + 1)
+        for i in range(len(ranked) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + ranked[i][0]
+        gain = float(batch)
+        for i, (p, b, k) in enumerate(ranked):
+            if k != lengths[b]:  # keep prefixes (ties between equal P of one request)
+                continue
+            lengths[b] = k + 1
+            gain += p
+            cand = self._evaluate(lengths, gain, draft_rows)
+            rate = cand.expected_tokens / cand.predicted_s
+            if rate > best_rate:
+                best, best_rate = cand, rate
+            elif (gain + suffix[i + 1]) / cand.predicted_s <= best_rate:
+                break  # costs only grow: even every remaining position cannot win
+        return best
+
+    def _evaluate(self, lengths: list[int], gain: float, draft_rows: int | None) -> Choice:
+        drafted = max(lengths, default=0) if draft_rows is None else draft_rows
+        seconds = self.costs.step_s([1 + k for k in lengths], drafted)
+        if drafted > 0 and draft_rows is None:
+            seconds *= 1.0 + draft_margin(len(lengths))  # draft only for a clear win
+        return Choice(list(lengths), gain, max(seconds, 1e-9))
+
+    def plan(self, request_ids: list[str], budgets: list[int]) -> Choice:
+        """Before the draft pass: the lengths predicted from each request's last profile.
+
+        ``max(lengths) == 0`` means: skip the draft pass this step.
+        """
+        profiles = [self.predicted_profile(r) for r in request_ids]
+        choice = self.choose(profiles, budgets)
+        self.stats.steps += 1
+        if max(choice.lengths, default=0) == 0:
+            self.stats.skipped_drafts += 1
+            # A skipped request learns nothing new: let its profile drift back to the mean,
+            # so that a request judged on one bad step is tried again when the load allows.
+            for r in request_ids:
+                prof = self.profiles.get(r)
+                if prof is not None:
+                    mean = self.mean_profile
+                    self.profiles[r] = [p + STALE_DRIFT * (mean[k] - p) for k, p in enumerate(prof)]
+        return choice
+
+    # ------------------------------------------------------------------ learning
+    def record(
+        self,
+        request_id: str,
+        confidence: torch.Tensor,
+        verified: int,
+        accepted: int,
+    ) -> None:
+        """Fold one request's verified step into the calibration and profiles.
+
+        Args:
+            confidence: fp32 [m] the proposal's confidences (all drafted rows).
+            verified: drafts verified (the chosen length); accepted: of those, accepted.
+        """
+        cum = torch.cumprod(confidence.float().clamp(0.0, 1.0), 0).tolist()
+        prof = self.calibrated(confidence)
+        self.stats.chosen[min(verified, self.n)] += 1
+        self.stats.predicted_accepted += sum(prof[:verified])
+        self.stats.realised_accepted += accepted
+        for k in range(min(verified, self.n)):
+            self._pred[k] = CALIBRATION_DECAY * self._pred[k] + cum[k]
+            self._real[k] = CALIBRATION_DECAY * self._real[k] + (1.0 if accepted > k else 0.0)
+        if prof:
+            self.profiles[request_id] = prof
+            for k, p in enumerate(prof[: self.n]):
+                self.mean_profile[k] += PROFILE_EMA * (p - self.mean_profile[k])
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's profile."""
+        self.profiles.pop(request_id, None)

@@ -1,0 +1,172 @@
+"""The speculative-decoding config (`--speculative-config` JSON), shared by CLI and server.
+
+Keys follow vLLM and TensorRT-Edge-LLM: `method`, `model`, `num_speculative_tokens`, plus
+`draft_top_k` (top-k base candidates of the Markov walk; 0 = full vocabulary) and
+`confidence_threshold` (static cutoff; 0 = off) and `confidence_scheduling` (load-aware
+verification, :mod:`edgebuild.runtime.spec_schedule`). The methods are the registry's
+(:mod:`edgebuild.speculative.registry`, one declarative record per method).
+
+When `draft_top_k` is not given, the draft's own recommendation is used: vLLM's hf_config key
+`markov_topk` in the draft's `config.json` (top level, `dspark_config` or `dflash_config`; spec
+draft-checkpoint-formats.md section 3, "Top-k pruning"), else 16 (the ORT / vLLM default).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgebuild.checkpoint.dspark_config import read_dspark_field  # the one draft-config reader
+from edgebuild.errors import ConfigError
+from edgebuild.speculative.registry import METHODS, PLANNED_METHODS, get_method
+
+__all__ = [
+    "DEFAULT_DRAFT_TOP_K",
+    "PLANNED_METHODS",
+    "SUPPORTED_METHODS",
+    "SpeculativeConfig",
+    "default_draft_top_k",
+    "read_draft_config",
+]
+
+# method -> description, derived from the registry (one record per method)
+SUPPORTED_METHODS: dict[str, str] = {m.name: m.description for m in METHODS.values()}
+_KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "draft_top_k",
+    "confidence_threshold",
+    "confidence_scheduling",
+}
+DEFAULT_DRAFT_TOP_K = 16
+
+
+def read_draft_config(draft_dir: Path) -> dict:
+    """The draft's ``config.json`` as a dict (read for the defaults of the speculative keys).
+
+    Raises:
+        ConfigError: an unreadable file or one that is not a JSON object (names the file).
+    """
+    path = Path(draft_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the draft config ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: the draft config must be a JSON object")
+    return cfg
+
+
+def default_draft_top_k(draft_dir: Path, cfg: dict | None = None) -> int:
+    """The draft's recommended Markov-walk candidate count (``markov_topk``), else 16.
+
+    Reads ``markov_topk`` (vLLM's hf_config spelling) from ``config.json`` of ``draft_dir``
+    (or from ``cfg``, that file already read by :func:`read_draft_config`) where
+    :class:`~edgebuild.checkpoint.dspark_config.DSparkConfig` reads every DSpark field: the
+    top level, ``dspark_config`` or ``dflash_config``; 0 means the full vocabulary.
+
+    Raises:
+        ConfigError: an unreadable config.json, a ``markov_topk`` that is not an integer
+            >= 0, or two locations that disagree (names the file, the field and the fix).
+    """
+    path = Path(draft_dir) / "config.json"
+    if cfg is None:
+        cfg = read_draft_config(draft_dir)
+    value, where = read_dspark_field(cfg, "markov_topk", int, str(path), DEFAULT_DRAFT_TOP_K)
+    if value < 0:
+        raise ConfigError(
+            f"{path}: field '{where}' is {value!r}; use an integer >= 0 (0 = full "
+            "vocabulary) or remove it (default 16)"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A validated speculative config.
+
+    Attributes:
+        method: one of SUPPORTED_METHODS.
+        model: draft checkpoint directory.
+        num_speculative_tokens: drafts per step, 1..block_size (checked against the draft).
+        draft_top_k: candidates per position for the Markov walk (0 = full vocab); default:
+            the draft's ``markov_topk`` (:func:`default_draft_top_k`), else 16.
+        confidence_threshold: static confidence cutoff in [0, 1) (0 = off).
+        confidence_scheduling: load-aware confidence scheduling (DSpark Algorithm 1,
+            :mod:`edgebuild.runtime.spec_schedule`): per step and request, verify only the
+            drafts that pay for themselves under the current load; the static cutoff, when
+            set, still bounds each proposal first.
+        draft_top_k_given: `draft_top_k` was set by the user (not defaulted): a backend
+            that cannot honour it must refuse it.
+    """
+
+    method: str
+    model: Path
+    num_speculative_tokens: int
+    draft_top_k: int = DEFAULT_DRAFT_TOP_K
+    confidence_threshold: float = 0.0
+    draft_top_k_given: bool = field(default=False, compare=False)
+    confidence_scheduling: bool = False
+
+    @classmethod
+    def parse(cls, value: str | dict) -> SpeculativeConfig:
+        """Parse the JSON text or dict.
+
+        Raises:
+            ConfigError: invalid JSON, unknown key or method (lists the supported), a
+                missing draft directory, or an out-of-range number.
+        """
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        unknown = set(value) - _KEYS
+        if unknown:
+            raise ConfigError(
+                f"--speculative-config: unknown keys {sorted(unknown)}; allowed: {sorted(_KEYS)}"
+            )
+        method = get_method(value.get("method")).name  # the registry's record
+        if "model" not in value or not isinstance(value["model"], str):
+            raise ConfigError(
+                "--speculative-config: 'model' (the draft checkpoint path) is required"
+            )
+        model = Path(value["model"])
+        if not (model / "config.json").is_file():
+            raise ConfigError(
+                f"--speculative-config: draft model {model} has no config.json (expected a "
+                "DSpark checkpoint directory)"
+            )
+        n = value.get("num_speculative_tokens")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(
+                f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {n!r}"
+            )
+        top_k = value["draft_top_k"] if "draft_top_k" in value else default_draft_top_k(model)
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+            raise ConfigError(
+                f"--speculative-config: draft_top_k must be an integer >= 0, got {top_k!r}"
+            )
+        thr = value.get("confidence_threshold", 0.0)
+        if not isinstance(thr, int | float) or isinstance(thr, bool) or not 0.0 <= thr < 1.0:
+            raise ConfigError(
+                f"--speculative-config: confidence_threshold must be in [0, 1), got {thr!r}"
+            )
+        sched = value.get("confidence_scheduling", False)
+        if not isinstance(sched, bool):
+            raise ConfigError(
+                f"--speculative-config: confidence_scheduling must be true or false, got {sched!r}"
+            )
+        return cls(method, model, n, top_k, float(thr), "draft_top_k" in value, sched)
+
+    def check_block(self, block_size: int, source: str) -> None:
+        """num_speculative_tokens must not exceed the draft's block_size (all-predicting)."""
+        if self.num_speculative_tokens > block_size:
+            raise ConfigError(
+                f"--speculative-config: num_speculative_tokens {self.num_speculative_tokens} "
+                f"exceeds the draft's block_size {block_size} ({source}); use 1..{block_size}"
+            )
