@@ -24,12 +24,15 @@ class PagedBatch:
         past_lengths: int32 [B], rows already valid in the cache per sequence.
         input_lengths: int32 [B], valid new rows per sequence (the rest of S is padding).
         positions: int32 [B, S], RoPE position of each new row.
+        prefill: the new rows are prompt rows: the attention takes the chunk-invariant
+            prefill path (ops/attention_fast.py), whatever their count.
     """
 
     page_table: torch.Tensor
     past_lengths: torch.Tensor
     input_lengths: torch.Tensor
     positions: torch.Tensor
+    prefill: bool = False
     _plans: dict = field(default_factory=dict, repr=False)
     flat_valid: torch.Tensor | None = field(default=None, repr=False)
 
@@ -64,6 +67,7 @@ class PagedBatch:
                 page_size,
                 causal,
                 write_kv,
+                self.prefill,
             )
         return self._plans[key]
 

@@ -30,11 +30,16 @@ def pad_rows(rows: list[torch.Tensor], fill: int = 0) -> torch.Tensor:
 
 
 def make_batch(
-    allocator: PageAllocator, seqs: list[Sequence], lengths: list[int], positions=None
+    allocator: PageAllocator,
+    seqs: list[Sequence],
+    lengths: list[int],
+    positions=None,
+    prefill: bool = False,
 ) -> PagedBatch:
     """Reserve pages for `lengths[b]` new rows of each sequence and describe the batch.
 
-    Positions default to the cache slots (seq.length + i).
+    Positions default to the cache slots (seq.length + i); `prefill`: prompt rows (the
+    chunk-invariant attention path, :class:`PagedBatch`).
     """
     for s, n in zip(seqs, lengths, strict=True):
         allocator.reserve(s, n)
@@ -47,6 +52,7 @@ def make_batch(
         past_lengths=past,
         input_lengths=torch.tensor(lengths, dtype=torch.int32),
         positions=positions.to(torch.int32),
+        prefill=prefill,
     )
 
 
@@ -102,8 +108,13 @@ class TorchTarget:
         logits_rows: list[list[int]],
         tap_layers: tuple[int, ...] = (),
         images: list[MultimodalPrefill | None] | None = None,
+        prefill: bool = False,
     ) -> TargetStep:
         """Append `rows[b]` to sequence b and return logits of `logits_rows[b]` (+ taps).
+
+        `prefill`: the rows are prompt rows; a row's bits then do not depend on how the
+        prompt is cut into calls nor on the other prompts of the call (chunked, batched
+        prefill and the prefix cache rely on it; ops/attention_fast.py).
 
         rows[b]: int64 [n_b]; logits_rows[b]: indices in [0, n_b). Returns fp32 logits
         [len(logits_rows[b]), V] per sequence and taps [n_b, n_t * d] when asked for.
@@ -115,7 +126,7 @@ class TorchTarget:
         width = max(lengths)
         slots = torch.tensor([s.length + s.rope_delta for s in seqs], dtype=torch.int64)
         flat = slots[:, None] + torch.arange(width)[None, :]  # [B, S]
-        batch = make_batch(self.allocator, seqs, lengths, positions=flat)
+        batch = make_batch(self.allocator, seqs, lengths, positions=flat, prefill=prefill)
         ids = pad_rows(rows)
         mrope, embeds = None, None
         if images is not None and any(m is not None for m in images):
