@@ -22,13 +22,13 @@ from edgebuild.runtime.decoding import (
     TargetOnlyDecoder,
     run_to_completion,
 )
-from edgebuild.runtime.dspark_backend import prepare_draft
+from edgebuild.runtime.dspark_loader import prepare_torch_draft as prepare_draft
 from edgebuild.runtime.kv_cache import CacheCapacityError, PageAllocator, block_hashes
 from edgebuild.runtime.llm import RuntimeOptions
 from edgebuild.runtime.prefill import PrefillConfig
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.torch_backend import TorchTarget
+from edgebuild.speculative.config import SpeculativeConfig
 
 PS = 8  # page size of the tiny tests
 COLD = PrefillConfig(enable_chunked_prefill=False, enable_prefix_caching=False)
