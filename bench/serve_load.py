@@ -286,6 +286,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="server torch threads")
     ap.add_argument("--modes", default="target,dspark,scheduled")
     ap.add_argument("--multi-turn", type=int, default=0, help="conversations (0 = skip)")
+    ap.add_argument("--server-args", default="", help="extra edgellm-serve flags, every mode")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--png", type=Path, default=None, help="also plot the rows here")
     args = ap.parse_args()
@@ -299,6 +300,7 @@ def main() -> None:
             spec, note = (None, "") if kind is None else draft_config(
                 args, Path(tmp), kind == "scheduled"
             )  # fmt: skip
+            extra = [*extra, *args.server_args.split()]
             proc, url = start_server(args.model, spec, args.threads, max(levels), extra)
             try:
                 asyncio.run(run_level(url, 1, 1, 4))  # warm-up

@@ -86,7 +86,7 @@ def test_16_concurrent_dspark_requests_with_cache_hits_equal_their_cold_solo_run
     smollm2_dir, scheduled
 ):
     """16 greedy requests under one long system prompt, stepped together with chunked,
-    batched prefill (a 512-row budget: several passes), 15 of them hitting the pages the first
+    batched prefill (the default row budget: several passes), 15 of them hitting the pages the first
     one cached; DSpark with the shipped draft, bf16; everything on: with confidence scheduling
     too (profiled costs, per-request lengths, draft-less steps)."""
     opts = RuntimeOptions(dtype=torch.bfloat16, max_kv_rows=16384)

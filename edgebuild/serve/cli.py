@@ -78,6 +78,13 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
     type=int,
     help="Rows one step may run: prompt chunks plus the decode rows of running requests.",
 )
+@click.option(
+    "--batch-wait-ms",
+    default=10.0,
+    type=float,
+    help="With nothing running, wait until no new request arrived for this long (at most 5x) "
+    "before the first step, so a burst of prompts shares one prefill pass (0 = off).",
+)
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning"]))
 def main(log_level: str, **flags) -> None:
     """Serve MODEL_OR_BUNDLE over an OpenAI-compatible HTTP API."""

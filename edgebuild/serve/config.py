@@ -54,6 +54,9 @@ class ServeConfig:
         enable_chunked_prefill: prefill prompts in chunks, batched, under
             max_num_batched_tokens (False: whole prompts, one by one).
         max_num_batched_tokens: rows one decoder step may run (prompt chunks + decode rows).
+        batch_wait_ms: with no request running, the worker waits until no new request has
+            arrived for this long (at most 5x in all) before its first step, so a burst of
+            prompts shares one prefill pass (Triton's max_queue_delay; 0 = off).
     """
 
     model: Path
@@ -75,6 +78,7 @@ class ServeConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    batch_wait_ms: float = 10.0
 
     @property
     def prefill(self) -> PrefillConfig:
@@ -110,6 +114,8 @@ class ServeConfig:
             )
         if not self.graceful_shutdown_s >= 0:
             raise ConfigError(f"--graceful-shutdown-s must be >= 0, got {self.graceful_shutdown_s}")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ConfigError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         resolve_dtype(self.dtype)  # ConfigError naming --dtype
@@ -148,7 +154,13 @@ class ServeState:
         metrics.speculative = spec is not None
         if spec is not None and spec.confidence_scheduling:
             metrics.attach_schedule(llm.enable_confidence_scheduling(config.max_batch_size))
-        scheduler = Scheduler(llm, config.max_batch_size, config.max_queued_requests, metrics)
+        scheduler = Scheduler(
+            llm,
+            config.max_batch_size,
+            config.max_queued_requests,
+            metrics,
+            batch_wait_s=config.batch_wait_ms / 1000.0,
+        )
         return cls(config, llm, scheduler, metrics, backend or BackendChoice("torch", "given"))
 
     @property

@@ -197,6 +197,7 @@ class Scheduler:
         max_batch_size: int = 8,
         max_queued_requests: int = 64,
         metrics: ServeMetrics | None = None,
+        batch_wait_s: float = 0.0,
     ):
         if max_batch_size < 1 or max_queued_requests < 0:
             raise ValueError("max_batch_size must be >= 1 and max_queued_requests >= 0")
@@ -204,6 +205,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics or ServeMetrics("model")
+        self.batch_wait_s = batch_wait_s
         self._cond = threading.Condition()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._active: list[_Active] = []
@@ -307,6 +309,7 @@ class Scheduler:
                         self._cond.wait()
                     if self._closing:
                         break
+                    self._gather_burst_locked()
                     abort, self._abort = self._abort, False
                     admitted = [] if abort else self._admit_locked()
                 if abort:
@@ -322,6 +325,23 @@ class Scheduler:
             raise
         finally:
             self._abort_all()
+
+    def _gather_burst_locked(self) -> None:
+        """With nothing running and requests just arrived, wait (lock released) until no new
+        one arrived for ``batch_wait_s`` (at most 5x that in all): a burst of prompts then
+        shares one batched prefill pass instead of trickling into several (dynamic batching's
+        queue delay). Nobody waits on a running stream: with requests running it returns."""
+        if self.batch_wait_s <= 0 or self._active or not self._waiting:
+            return
+        deadline = time.monotonic() + 5 * self.batch_wait_s
+        while not (self._closing or self._abort):
+            seen = len(self._waiting)
+            left = deadline - time.monotonic()
+            if left <= 0 or seen >= self.max_batch_size:
+                return
+            self._cond.wait(min(self.batch_wait_s, left))
+            if len(self._waiting) == seen:
+                return
 
     def _iteration(self, admitted: list[Ticket]) -> None:
         """Start the admitted requests, drop cancelled ones, step the batch."""
