@@ -190,6 +190,24 @@ class LLM:
         if spec is not None and spec.confidence_scheduling:
             self.enable_confidence_scheduling(1)
 
+    def without_draft(self) -> LLM:
+        """A target-only LLM over this one's loaded target: the same target backend (weights
+        and KV pool), tokenizer, vision encoder, options and request-id counter, with no draft
+        and a :class:`TargetOnlyDecoder`. ``edgebuild run --compare`` times it against the
+        speculative one; this LLM is left as it was.
+
+        Requests of the two share the target's KV pool, so run them one after the other.
+        """
+        base = LLM.__new__(LLM)
+        base.bundle, base.model_dir, base.backend = self.bundle, self.model_dir, self.backend
+        base.options, base.source, base.generation = self.options, self.source, self.generation
+        base.speculative = None
+        base.target_model, base.config, base.vision = self.target_model, self.config, self.vision
+        base.tokenizer, base._ids = self.tokenizer, self._ids
+        base.target, base.draft = self.target, None
+        base.decoder = TargetOnlyDecoder(self.target)
+        return base
+
     def enable_confidence_scheduling(self, max_batch: int, repeats: int = 2):
         """Profile this backend's step costs up to `max_batch` requests and turn on
         load-aware confidence scheduling (:mod:`edgebuild.runtime.spec_schedule`).
