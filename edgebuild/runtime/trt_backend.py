@@ -695,7 +695,8 @@ class TrtOptions:
 
 @dataclass
 class TrtRuntime:
-    """The loaded TensorRT backends of a bundle, and what the LLM needs around them."""
+    """The loaded TensorRT backends of a bundle, and what the LLM needs around them (the
+    TensorRT side of :class:`edgebuild.runtime.torch_backend.TorchRuntime`)."""
 
     target: TrtTarget
     draft: TrtDraft | None
@@ -703,6 +704,7 @@ class TrtRuntime:
     plan: BufferPlan
     runners: dict[str, object] = field(default_factory=dict)
     vision: VisionEncoder | None = None  # the visual engine + image processor (VLM bundles)
+    target_model: None = None  # no torch target model on this backend (TorchRuntime has one)
 
     def runtime_options(self, options):
         """RuntimeOptions clamped to the engines: the KV pool (every page of the engines'
