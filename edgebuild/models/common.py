@@ -13,6 +13,7 @@ from torch import nn
 
 from edgebuild.checkpoint.quant import QuantizedWeight
 from edgebuild.checkpoint.shapes import check_shape, layer_linear_shapes  # noqa: F401 (re-export)
+from edgebuild.ops.attention import AttentionSpec
 
 
 @dataclass
@@ -69,24 +70,19 @@ class PagedBatch:
 
 
 def attention(
-    qkv: torch.Tensor,  # [B, S, (Hq + 2*Hkv) * D]
+    qkv: torch.Tensor,  # [B, S, (Hq + 2*Hkv) * D], or [1, N, ...] unpadded (batch.flat_valid)
     kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D]
     batch: PagedBatch,
     rope_table: torch.Tensor,  # fp32 [max_position, rotary_dim]
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
-    *,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    causal: bool,
-    write_kv: bool,
-    sliding_window: int = 0,
-    scale: float,
-    rms_norm_eps: float = 1e-6,
+    spec: AttentionSpec,
     want_output: bool = True,
 ) -> torch.Tensor | None:
     """Attention of the contract in :mod:`edgebuild.ops.attention`, run the fast way.
+
+    `spec`: the call's settings (:class:`~edgebuild.ops.attention.AttentionSpec`; its
+    rotary_dim / page_size come from `rope_table` / `kv_cache` when unset).
 
     Under torch.export / compile the custom op `edgebuild::paged_attention` is emitted (it
     becomes the plugin node); eagerly the vectorized DensePlan path runs (same results,
@@ -106,16 +102,7 @@ def attention(
             q_norm_weight,
             k_norm_weight,
             None,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rotary_dim=rope_table.shape[1],
-            causal=causal,
-            write_kv=write_kv,
-            sliding_window=sliding_window,
-            scale=scale,
-            rms_norm_eps=rms_norm_eps,
-            page_size=kv_cache.shape[3],
+            **spec.bind(rope_table, kv_cache).attributes(),
         )
     from edgebuild.ops.attention_fast import paged_attention_planned
 
@@ -124,23 +111,11 @@ def attention(
         padded = qkv.new_zeros(*valid.shape, qkv.shape[-1])
         padded[valid] = qkv[0]
         qkv = padded
-    plan = batch.plan(qkv.shape[1], kv_cache.shape[3], causal, write_kv)
+    plan = batch.plan(qkv.shape[1], kv_cache.shape[3], spec.causal, spec.write_kv)
     out = paged_attention_planned(
-        qkv,
-        kv_cache,
-        plan,
-        batch.positions,
-        rope_table,
-        q_norm_weight,
-        k_norm_weight,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        sliding_window=sliding_window,
-        scale=scale,
-        rms_norm_eps=rms_norm_eps,
-        want_output=want_output,
-    )
+        qkv, kv_cache, plan, batch.positions, rope_table, q_norm_weight, k_norm_weight, spec,
+        want_output,
+    )  # fmt: skip
     if valid is not None and out is not None:
         out = out[valid].unsqueeze(0)
     return out

@@ -59,6 +59,7 @@ from edgebuild.models.common import (
     attention,
     dense,
 )
+from edgebuild.ops.attention import AttentionSpec
 from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.rope import rope_cos_sin_table
 
@@ -203,6 +204,17 @@ class DSparkAttention(nn.Module):
         self.o_proj = nn.Linear(hq * hd, d, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        # the context update: causal, writes K/V; the block pass: non-causal, writes nothing
+        self.context_spec = AttentionSpec(
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=hd,
+            causal=True,
+            write_kv=True,
+            scale=hd**-0.5,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
+        self.block_spec = self.context_spec.replace(causal=False, write_kv=False)
         self.packed_qkv: PackedLinear | None = None  # set by pack_for_cpu
         self.packed_kv: PackedLinear | None = None
         self.packed_o: PackedLinear | None = None
@@ -212,25 +224,6 @@ class DSparkAttention(nn.Module):
         self.packed_qkv = PackedLinear([self.q_proj, self.k_proj, self.v_proj], quant)
         self.packed_kv = PackedLinear([self.k_proj, self.v_proj], quant)
         self.packed_o = PackedLinear([self.o_proj], quant)
-
-    def _attend(self, qkv, kv_cache, batch, rope_table, *, causal, write_kv, q_norm, want=True):
-        cfg = self.cfg
-        return attention(
-            qkv,
-            kv_cache,
-            batch,
-            rope_table,
-            q_norm,
-            self.k_norm.weight,
-            num_q_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            causal=causal,
-            write_kv=write_kv,
-            scale=cfg.head_dim**-0.5,
-            rms_norm_eps=cfg.rms_norm_eps,
-            want_output=want,
-        )
 
     def write_context(
         self,
@@ -245,8 +238,8 @@ class DSparkAttention(nn.Module):
             qkv = torch.cat([q, self.packed_kv(context)], dim=-1)
         else:
             qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
-        self._attend(
-            qkv, kv_cache, batch, rope_table, causal=True, write_kv=True, q_norm=None, want=False
+        attention(
+            qkv, kv_cache, batch, rope_table, None, self.k_norm.weight, self.context_spec, False
         )
 
     def forward(
@@ -261,14 +254,14 @@ class DSparkAttention(nn.Module):
             qkv = self.packed_qkv(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        out = self._attend(
+        out = attention(
             qkv,
             kv_cache,
             batch,
             rope_table,
-            causal=False,
-            write_kv=False,
-            q_norm=self.q_norm.weight,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.block_spec,
         )
         return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
 

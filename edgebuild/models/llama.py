@@ -30,6 +30,7 @@ from edgebuild.models.common import (
     layer_linear_shapes,
 )
 from edgebuild.models.vision import VISION_PREFIX
+from edgebuild.ops.attention import AttentionSpec
 from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.mrope import mrope_cos_sin_rows
 from edgebuild.ops.rope import rope_cos_sin_table
@@ -58,6 +59,16 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.window = cfg.window_for_layer(layer_idx)
         self.rotary_dim = int(hd * cfg.rope.partial_rotary_factor)
+        self.spec = AttentionSpec(  # causal self-attention that writes its rows' K/V
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=hd,
+            causal=True,
+            write_kv=True,
+            scale=hd**-0.5,
+            sliding_window=self.window,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
         self.packed_qkv: PackedLinear | None = None  # set by LlamaForCausalLM.pack_for_cpu
         self.packed_o: PackedLinear | None = None
 
@@ -80,14 +91,7 @@ class LlamaAttention(nn.Module):
             rope_table,
             self.q_norm.weight if cfg.qk_norm else None,
             self.k_norm.weight if cfg.qk_norm else None,
-            num_q_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            causal=True,
-            write_kv=True,
-            sliding_window=self.window,
-            scale=cfg.head_dim**-0.5,
-            rms_norm_eps=cfg.rms_norm_eps,
+            self.spec,
         )
         return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
 
