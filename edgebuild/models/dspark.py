@@ -54,7 +54,9 @@ from edgebuild.checkpoint.quant import QuantizedWeight
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import ConfigError
 from edgebuild.models.common import (
+    GatedMLP,
     PagedBatch,
+    PreNormDecoderLayer,
     RMSNorm,
     attention,
     dense,
@@ -266,44 +268,19 @@ class DSparkAttention(nn.Module):
         return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
 
 
-class DSparkMLP(nn.Module):
+class DSparkMLP(GatedMLP):
     """SwiGLU MLP without biases: ``down(silu(gate(x)) * up(x))`` (Qwen3MLP names)."""
 
     def __init__(self, cfg: DSparkConfig):
-        super().__init__()
-        d, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, i, bias=False)
-        self.up_proj = nn.Linear(d, i, bias=False)
-        self.down_proj = nn.Linear(i, d, bias=False)
-        self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
-        self.packed_down: PackedLinear | None = None
-
-    def pack_for_cpu(self, quant: str | None = None) -> None:
-        """Fused gate/up and down_proj packed for eager CPU inference."""
-        self.packed_gate_up = PackedLinear([self.gate_proj, self.up_proj], quant)
-        self.packed_down = PackedLinear([self.down_proj], quant)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_packed(self.packed_gate_up):
-            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
-            return self.packed_down(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=False)
 
 
-class DSparkDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer whose attention also reads the cached context K/V (spec §2.4)."""
+class DSparkDecoderLayer(PreNormDecoderLayer):
+    """Pre-norm Qwen3 layer whose attention also reads the cached context K/V (spec §2.4):
+    ``[B, Bs, d]`` block rows -> ``[B, Bs, d]``; args as :meth:`DSparkAttention.forward`."""
 
     def __init__(self, cfg: DSparkConfig):
-        super().__init__()
-        self.self_attn = DSparkAttention(cfg)
-        self.mlp = DSparkMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, kv_cache, batch, rope_table):
-        """``[B, Bs, d]`` block rows -> ``[B, Bs, d]``; args as :meth:`DSparkAttention.forward`."""
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch, rope_table)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(DSparkAttention(cfg), DSparkMLP(cfg), cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DSparkDraft(nn.Module):
@@ -348,8 +325,7 @@ class DSparkDraft(nn.Module):
         ``state_dict`` unchanged, eager forwards only, one extra copy in memory. Returns self.
         """
         for layer in self.layers:
-            layer.self_attn.pack_for_cpu(quant)
-            layer.mlp.pack_for_cpu(quant)
+            layer.pack_for_cpu(quant)
         self.packed_lm_head = PackedLinear([self.lm_head], quant)
         return self
 

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgebuild.checkpoint.config import ModelConfig
@@ -22,7 +21,9 @@ from edgebuild.checkpoint.quant import QuantizedWeight, quant_tensor_suffixes
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError
 from edgebuild.models.common import (
+    GatedMLP,
     PagedBatch,
+    PreNormDecoderLayer,
     RMSNorm,
     attention,
     check_shape,
@@ -101,43 +102,20 @@ class LlamaAttention(nn.Module):
         self.packed_o = PackedLinear([self.o_proj], quant)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+class LlamaMLP(GatedMLP):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (biases as ``mlp_bias``)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, i, bias=b)
-        self.up_proj = nn.Linear(d, i, bias=b)
-        self.down_proj = nn.Linear(i, d, bias=b)
-        self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
-        self.packed_down: PackedLinear | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_packed(self.packed_gate_up):
-            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
-            return self.packed_down(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def pack_for_cpu(self, quant: str | None = None) -> None:
-        """Fuse gate/up and pack them and down_proj for eager CPU inference."""
-        self.packed_gate_up = PackedLinear([self.gate_proj, self.up_proj], quant)
-        self.packed_down = PackedLinear([self.down_proj], quant)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder layer (HF `LlamaDecoderLayer` names)."""
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """Pre-norm decoder layer (HF `LlamaDecoderLayer` names): causal self-attention + MLP."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, kv_cache, batch, rope_table):
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch, rope_table)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(
+            LlamaAttention(cfg, layer_idx), LlamaMLP(cfg), cfg.hidden_size, cfg.rms_norm_eps
+        )
 
 
 class LlamaModel(nn.Module):
@@ -174,8 +152,7 @@ class LlamaForCausalLM(nn.Module):
         (:class:`edgebuild.ops.linear.PackedLinear`), opt-in. Returns self.
         """
         for layer in self.model.layers:
-            layer.self_attn.pack_for_cpu(quant)
-            layer.mlp.pack_for_cpu(quant)
+            layer.pack_for_cpu(quant)
         self.packed_lm_head = PackedLinear([self.lm_head], quant)
         return self
 
