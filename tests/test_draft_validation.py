@@ -1,7 +1,7 @@
 """One validation path for drafts: `inspect --draft` refuses exactly what `run` refuses.
 
 Issue 16, items 10-14. Each broken draft is a one-field (or one-tensor) mutation of a valid
-random draft for a tiny Qwen3 target. For every case the runtime loader (`prepare_draft` and
+random draft for a tiny Qwen3 target. For every case the runtime loader (`prepare_torch_draft` and
 its `load`, what `edgebuild run` and the server call) must raise an EdgebuildError naming the
 field or tensor, and `edgebuild inspect TARGET --draft DRAFT` must exit 2 with that same message.
 
@@ -31,7 +31,7 @@ from edgebuild.checkpoint.source import WeightSource
 from edgebuild.cli import main
 from edgebuild.errors import ConfigError, EdgebuildError, PairingError
 from edgebuild.models.dspark import DSparkConfig
-from edgebuild.runtime.dspark_backend import prepare_draft
+from edgebuild.runtime.dspark_loader import prepare_torch_draft as prepare_draft
 from edgebuild.runtime.llm import RuntimeOptions
 from edgebuild.speculative.config import SpeculativeConfig, default_draft_top_k
 

@@ -27,7 +27,7 @@ from edgebuild.runtime.decoding import (
     resample,
     run_to_completion,
 )
-from edgebuild.runtime.dspark_backend import prepare_draft
+from edgebuild.runtime.dspark_loader import prepare_torch_draft as prepare_draft
 from edgebuild.runtime.llm import RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.torch_backend import TorchTarget

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.example import example_draft_dir
 from edgebuild.runtime.decoding import TargetOnlyDecoder
-from edgebuild.runtime.dspark_backend import prepare_draft
+from edgebuild.runtime.dspark_loader import prepare_torch_draft as prepare_draft
 from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.speculative.config import SpeculativeConfig

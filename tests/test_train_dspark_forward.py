@@ -17,7 +17,7 @@ from dspark_fixtures import make_random_draft
 from tiny_checkpoints import write_tiny_llama
 
 from edgebuild.checkpoint.source import WeightSource
-from edgebuild.runtime.dspark_backend import prepare_draft
+from edgebuild.runtime.dspark_loader import prepare_torch_draft as prepare_draft
 from edgebuild.runtime.llm import RuntimeOptions
 from edgebuild.runtime.torch_backend import make_batch
 from edgebuild.speculative.config import SpeculativeConfig

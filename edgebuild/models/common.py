@@ -28,29 +28,31 @@ class PagedBatch:
         past_lengths: int32 [B], rows already valid in the cache per sequence.
         input_lengths: int32 [B], valid new rows per sequence (the rest of S is padding).
         positions: int32 [B, S], RoPE position of each new row.
+        prefill: the new rows are prompt rows: the attention takes the chunk-invariant
+            prefill path (ops/attention_fast.py), whatever their count.
     """
 
     page_table: torch.Tensor
     past_lengths: torch.Tensor
     input_lengths: torch.Tensor
     positions: torch.Tensor
+    prefill: bool = False
     _plans: dict = field(default_factory=dict, repr=False)
     flat_valid: torch.Tensor | None = field(default=None, repr=False)
 
     def packed_rows(self) -> torch.Tensor | None:
         """bool [B, S] valid rows when this step is worth running unpadded, else None.
 
-        A decode / verify step (every sequence at most ``ROW_INVARIANT_MAX_ROWS`` new rows)
-        whose sequences have unequal row counts runs its linears over the valid rows only
-        (``[1, N, d]``, N = sum of input_lengths): a verify pass then costs what its rows
-        cost, not B x the longest row count. Row results are the same either way (the packed
-        linears and the decode attention are row-invariant), so this is a speed choice only.
+        A step whose sequences have unequal row counts (a verify pass with per-request
+        lengths, prompt chunks of different lengths batched together) runs its linears over
+        the valid rows only (``[1, N, d]``, N = sum of input_lengths), so it costs what its
+        rows cost, not B x the longest row count; the attention pads them back to
+        ``[B, S]`` for its plan, the layout it always sees. Row results are the same either
+        way (the packed linears are row-invariant), so this is a speed choice only.
         """
-        from edgebuild.ops.attention_fast import ROW_INVARIANT_MAX_ROWS
-
         bsz, rows = self.positions.shape
         n = int(self.input_lengths.sum())
-        if bsz < 2 or rows > ROW_INVARIANT_MAX_ROWS or n == bsz * rows:
+        if bsz < 2 or n == bsz * rows:
             return None
         return torch.arange(rows)[None, :] < self.input_lengths.long()[:, None]
 
@@ -68,6 +70,7 @@ class PagedBatch:
                 page_size,
                 causal,
                 write_kv,
+                self.prefill,
             )
         return self._plans[key]
 

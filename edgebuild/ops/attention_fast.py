@@ -17,6 +17,17 @@ multiple of ``KEY_ALIGN`` and masked past its visible count, so a row's bits dep
 its own keys, never on how many rows share the pass (a 1-row decode and row i of an n+1-row
 verify give identical output). That is what keeps greedy DSpark equal to greedy target-only
 in bf16 (design rule "Exactness"; checked bit for bit by tests/test_batch_invariance.py).
+
+**Chunk-invariant prefill** (``prefill``: the rows are prompt rows, any count): the rows run
+as one fp32 attention per sequence whose key columns are padded to a multiple of
+``PREFILL_KEY_ALIGN`` and whose query rows are padded to a multiple of
+``PREFILL_QUERY_ALIGN``, so that torch's CPU flash kernel (key blocks of 512, query blocks of
+32 / 64 / 256) always sees the same key blocks and never a query block of 1 or 2 rows (those
+take another GEMM path). Measured in bf16 on the real SmolLM2: without the padding, a prompt
+prefilled in chunks of 32 or 64 rows, or a 1-row chunk, gives other bits than in one pass;
+with it, a row's K/V, taps and logits are the same whatever the chunking and whatever other
+prompts share the pass (tests/test_prefill_invariance.py), which chunked prefill and the
+prefix cache rely on.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ from edgebuild.ops.rope import apply_rope, check_positions, rotate_with
 
 KEY_ALIGN = 32  # key columns of a row-invariant step are padded to a multiple of this
 ROW_INVARIANT_MAX_ROWS = 16  # steps with at most this many new rows per sequence
+PREFILL_KEY_ALIGN = 512  # key columns of a prefill step: a multiple of the flash kernel's block
+PREFILL_QUERY_ALIGN = 32  # query rows of a prefill step: no flash query block of 1 or 2 rows
 
 
 @dataclass
@@ -51,6 +64,8 @@ class DensePlan:
             key columns are [past slots (padded to P); new rows (S)].
         row_invariant: decode / verify step (causal, cache written, S <= ROW_INVARIANT_MAX_ROWS):
             T is padded to a multiple of KEY_ALIGN and every valid row attends alone.
+        prefill: chunk-invariant prompt step (module docstring): T padded to a multiple of
+            PREFILL_KEY_ALIGN, query rows to a multiple of PREFILL_QUERY_ALIGN.
     """
 
     write_b: Tensor
@@ -68,6 +83,7 @@ class DensePlan:
     row_invariant: bool = False
     page_table: Tensor | None = None  # long [B, max_pages] (row-invariant plans: page gather)
     page_size: int = 0
+    prefill: bool = False
     _memo: dict = field(default_factory=dict)
 
     @classmethod
@@ -80,8 +96,12 @@ class DensePlan:
         page_size: int,
         causal: bool,
         write_kv: bool,
+        prefill: bool = False,
     ) -> DensePlan:
-        """Plan a step; raises ValueError when the page table cannot hold the rows."""
+        """Plan a step; raises ValueError when the page table cannot hold the rows.
+
+        `prefill` (causal steps that write the cache only): the chunk-invariant prompt path.
+        """
         bsz = page_table.shape[0]
         past = past_lengths.long()
         length = input_lengths.long()
@@ -101,9 +121,14 @@ class DensePlan:
         w_pages = table[wb, wslots // page_size]
         w_off = wslots % page_size
         width = int(cover.max()) if bsz else 0
-        row_invariant = causal and write_kv and rows <= ROW_INVARIANT_MAX_ROWS and bsz > 0
+        prefill = prefill and causal and write_kv
+        row_invariant = (
+            causal and write_kv and rows <= ROW_INVARIANT_MAX_ROWS and bsz > 0 and not prefill
+        )
         if row_invariant:
             width = -(-width // KEY_ALIGN) * KEY_ALIGN
+        elif prefill:
+            width = -(-width // PREFILL_KEY_ALIGN) * PREFILL_KEY_ALIGN
         ar_t = torch.arange(width)
         in_range = ar_t[None, :] < cover[:, None]  # [B, T_past or T]
         slots = torch.where(in_range, ar_t[None, :], 0)
@@ -131,6 +156,7 @@ class DensePlan:
         return cls(
             wb, wi, w_pages, w_off, r_pages, r_off, key_slots, query_slots, mask, valid,
             write_kv, width, row_invariant, table if row_invariant else None, page_size,
+            prefill,
         )  # fmt: skip
 
     def mask_for(self, sliding_window: int) -> Tensor:
@@ -199,6 +225,12 @@ def paged_attention_planned(
     mask = plan.mask_for(sliding_window)  # [B, S, T]
     seen = mask.any(-1)  # rows that see nothing (padding): give them one key, zero them after
     safe = mask | ~seen[:, :, None]
+    if plan.prefill:  # pad the query rows (module docstring); padding rows see key 0
+        extra = -rows % PREFILL_QUERY_ALIGN
+        q = F.pad(q, (0, 0, 0, 0, 0, extra))  # [B, S', Hq, D]
+        pad_rows = torch.zeros(bsz, extra, safe.shape[2], dtype=torch.bool)
+        pad_rows[:, :, 0] = True
+        safe = torch.cat([safe, pad_rows], dim=1)  # [B, S', T]
     out = F.scaled_dot_product_attention(
         q.float().transpose(1, 2),  # [B, Hq, S, D]
         keys.float().transpose(1, 2),  # [B, Hkv, T, D]
@@ -206,8 +238,8 @@ def paged_attention_planned(
         attn_mask=safe[:, None],
         scale=scale,
         enable_gqa=hq != hkv,
-    )  # [B, Hq, S, D]
-    out = out.transpose(1, 2).reshape(bsz, rows, hq * d)
+    )  # [B, Hq, S', D]
+    out = out[:, :, :rows].transpose(1, 2).reshape(bsz, rows, hq * d)
     out = out.masked_fill(~seen[:, :, None], 0.0)
     return out.to(qkv.dtype)
 

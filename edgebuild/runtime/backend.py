@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from edgebuild.runtime.kv_cache import Sequence
+from edgebuild.runtime.kv_cache import PageAllocator, Sequence
 from edgebuild.runtime.sampling import SamplingParams
 
 
@@ -104,10 +104,13 @@ class TargetBackend(Protocol):
         vocab_size: V, the width of every logits row (padding rows of the head included).
         max_model_len: the most rows (prompt + generated + one verify block) one sequence may
             hold in the cache.
+        allocator: the :class:`~edgebuild.runtime.kv_cache.PageAllocator` of its pools (the
+            decoders keep the prefix cache there).
     """
 
     vocab_size: int
     max_model_len: int
+    allocator: PageAllocator
 
     def new_sequence(self) -> Sequence:
         """A new, empty sequence (length 0, no pages) in this backend's KV cache."""
@@ -120,6 +123,7 @@ class TargetBackend(Protocol):
         logits_rows: list[list[int]],  # per sequence row indices (into its n_b rows)
         tap_layers: tuple[int, ...] = (),
         images: list[MultimodalPrefill | None] | None = None,  # per sequence (prefill only)
+        prefill: bool = False,
     ) -> TargetStep:
         """Append ``rows[b]`` to sequence ``b`` of the batch and return the asked-for logits.
 
@@ -136,6 +140,9 @@ class TargetBackend(Protocol):
                 this order (the draft's ``target_layer_ids``); ``()`` for none.
             images: per sequence, its prompt's image rows and multimodal RoPE positions
                 (prefill of a prompt with images only), else None.
+            prefill: the rows are prompt rows (a prefill chunk); a backend that can computes
+                them so that a row's bits depend neither on how the prompt is cut into calls
+                nor on the other prompts of the call (chunked prefill, prefix cache).
 
         Returns:
             :class:`TargetStep`: ``logits[b]`` fp32 ``[len(logits_rows[b]), V]``; ``taps[b]``

@@ -19,6 +19,12 @@ section 3):
 Each step commits a+1 tokens (tau = a+1 is the accepted length, bonus included). The target
 cache keeps [anchor, d_1..d_a] and rolls back n-a rows; the draft's context is extended with the
 target features of those a+1 rows. Stops inside the block are honoured token by token.
+
+Prefill (:mod:`edgebuild.runtime.prefill`): before the decode / verify pass of the running
+requests, a step runs one batched target pass over prompt chunks of the requests still in
+prefill (chunked, under the step's token budget, after the pages their prompts found in the
+prefix cache); the pass that completes a prompt commits its first token, and with DSpark the
+taps of all its rows (the cached pages' taps first) become the draft's pending context.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from edgebuild.runtime.backend import DraftBackend, MultimodalPrefill, Proposal, TargetBackend
-from edgebuild.runtime.kv_cache import Sequence
+from edgebuild.runtime.kv_cache import Sequence, block_hashes
 from edgebuild.runtime.metrics import RequestMetrics
+from edgebuild.runtime.prefill import PrefillConfig, PrefillStats
 from edgebuild.runtime.rejection import RESIDUAL_EPS, verify_batch
 from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
 from edgebuild.runtime.spec_schedule import ConfidenceScheduler
@@ -50,9 +57,14 @@ class RequestState:
     draft_seq: Sequence | None = None
     anchor: int | None = None  # committed token not yet in the target cache
     pending_features: torch.Tensor | None = None  # [m, n_t*d] target taps not yet in draft cache
+    pending_buffer: torch.Tensor | None = None  # storage behind pending_features (draft-less steps)
     prompt_images: MultimodalPrefill | None = None  # image rows + mrope positions (images)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     new_tokens: list[int] = field(default_factory=list)  # committed during the last step
+    # prefill in progress: taps [rows, n_t*d] of the prompt rows in cache so far (cached
+    # prefix pages first), and the chained block hashes of the prompt (None: not cached)
+    prefill_features: list[torch.Tensor] = field(default_factory=list)
+    prompt_hashes: list[bytes] | None = None
 
     @classmethod
     def create(
@@ -142,51 +154,187 @@ def run_to_completion(decoder: TargetOnlyDecoder, states: list[RequestState]) ->
 
 # ---------------------------------------------------------------------- decoders
 class TargetOnlyDecoder:
-    """Plain autoregressive decoding: one target pass per token (batched across requests)."""
+    """Plain autoregressive decoding: one target pass per token (batched across requests).
 
-    def __init__(self, target: TargetBackend):
+    Prompts are prefilled as :mod:`edgebuild.runtime.prefill` describes (chunked, batched,
+    under a token budget; prefix-cache hits attached at :meth:`start`); a request in prefill
+    is not part of that step's decode pass, and its first token is committed by the pass
+    that runs the last chunk of its prompt.
+
+    Args:
+        target: the target backend (its ``allocator`` holds the prefix cache).
+        prefill: prefill settings (already :meth:`PrefillConfig.resolved` for the target).
+    """
+
+    def __init__(self, target: TargetBackend, prefill: PrefillConfig | None = None):
         self.target = target
+        self.prefill_config = prefill if prefill is not None else PrefillConfig()
+        self.prefill_config.validate()
+        self.stats = PrefillStats()
+        self.taps: tuple[int, ...] = ()  # target layers whose hidden states the draft needs
 
+    # ------------------------------------------------------------------ requests
     def start(self, st: RequestState) -> None:
+        """A new cache sequence for `st`, starting with its prompt's cached prefix pages."""
         st.seq = self.target.new_sequence()
+        st.prefill_features = []
+        self._attach_prefix(st)
 
     def finish(self, st: RequestState) -> None:
         if st.seq is not None:
             self.target.free(st.seq)
+        st.prefill_features = []
 
     def _commit(self, st: RequestState, tokens: list[int]) -> None:
         taken = st.stopper.feed_many(tokens)
         st.new_tokens.extend(taken)
         st.metrics.generated += len(taken)
 
-    def prefill(self, st: RequestState, tap_layers: tuple[int, ...] = ()):
-        """Run the prompt and commit the first token; returns the prompt's taps (or None)."""
+    # ------------------------------------------------------------------ prefix cache
+    def _caches(self, has_images: bool) -> bool:
+        # prompts with images are not cached: their pad tokens do not name the image
+        return self.prefill_config.enable_prefix_caching and not has_images
+
+    def _prefix_hit(self, prompt_ids: list[int], hashes: list[bytes]) -> list[int]:
+        """Cached pages of the prompt's longest cached prefix; never the whole prompt (its
+        last token is always recomputed, for its logits); with taps, only pages cached with
+        their taps."""
+        alloc = self.target.allocator
+        pages = alloc.match(hashes[: (len(prompt_ids) - 1) // alloc.page_size])
+        if self.taps:
+            payloads = alloc.payloads(pages)
+            n = next((i for i, p in enumerate(payloads) if p is None), len(pages))
+            pages = pages[:n]
+        return pages
+
+    def _attach_prefix(self, st: RequestState) -> None:
+        st.prompt_hashes = None
+        if not self._caches(st.prompt_images is not None):
+            return
+        alloc = self.target.allocator
+        st.prompt_hashes = block_hashes(st.prompt_ids, alloc.page_size)
+        pages = self._prefix_hit(st.prompt_ids, st.prompt_hashes)
+        alloc.attach(st.seq, pages)
+        if self.taps:
+            st.prefill_features = list(alloc.payloads(pages))
+        hit = len(pages) * alloc.page_size
+        st.metrics.cached_prompt_tokens = hit
+        self.stats.prefix_queries += len(st.prompt_ids)
+        self.stats.prefix_hits += hit
+
+    def register_prompt(self, st: RequestState, features: torch.Tensor | None) -> None:
+        """Cache the full prompt pages of `st` (written by the prefill path), each with the
+        target taps [page_size, n_t * d] of its rows when the decoder has taps."""
+        if st.prompt_hashes is None:
+            return
+        alloc, ps = self.target.allocator, self.target.allocator.page_size
+        for i in range(st.seq.shared_rows // ps, len(st.prompt_hashes)):
+            payload = None if features is None else features[i * ps : (i + 1) * ps].clone()
+            alloc.register(st.seq, i, st.prompt_hashes[i], payload)
+
+    # ------------------------------------------------------------------ prefill
+    def _chunk_rows(self, st: RequestState) -> int:
+        """Rows of the next prefill chunk of `st` (the whole rest when unchunked or with
+        images, whose rows and positions go in one call)."""
+        rest = len(st.prompt_ids) - st.seq.length
+        if not self.prefill_config.enable_chunked_prefill or st.prompt_images is not None:
+            return rest
+        return min(rest, self.prefill_config.prefill_chunk)
+
+    def first_step_pages(self, prompt_ids: list[int], has_images: bool) -> int:
+        """Target pages a new request's first step may take: its first chunk beyond the
+        cached prefix, plus the cached pages it attaches that were counted free."""
+        alloc, ps = self.target.allocator, self.target.allocator.page_size
+        hit = []
+        if self._caches(has_images):
+            hit = self._prefix_hit(prompt_ids, block_hashes(prompt_ids, ps))
+        start, n = len(hit) * ps, len(prompt_ids) - len(hit) * ps
+        if self.prefill_config.enable_chunked_prefill and not has_images:
+            n = min(n, self.prefill_config.prefill_chunk)
+        return alloc.evictable_among(hit) + alloc.pages_for(start + n) - len(hit)
+
+    def prefill_step_pages(self, st: RequestState) -> int:
+        """Target pages the next chunk of a request in prefill may take."""
+        alloc = self.target.allocator
+        return max(0, alloc.pages_for(st.seq.length + self._chunk_rows(st)) - len(st.seq.pages))
+
+    def _plan_prefill(self, waiting: list[RequestState], decode_rows: int):
+        """Groups of (request, rows) run as one pass each: unchunked, one request a pass;
+        chunked, one pass over the first waiting requests (FIFO) whose chunks fit the
+        budget beside the decode rows (at least one chunk)."""
+        cfg = self.prefill_config
+        if not cfg.enable_chunked_prefill:
+            return [[(st, self._chunk_rows(st))] for st in waiting]
+        group, used = [], decode_rows
+        for st in waiting:
+            n = self._chunk_rows(st)
+            if group and used + n > cfg.max_num_batched_tokens:
+                break
+            group.append((st, n))
+            used += n
+        return [group]
+
+    def prefill(self, waiting: list[RequestState], decode_rows: int = 0) -> None:
+        """Run this step's prefill chunks of `waiting` (requests without a first token);
+        a request whose prompt is complete commits its first token."""
+        for group in self._plan_prefill(waiting, decode_rows):
+            self._prefill_pass(group)
+
+    def _prefill_pass(self, group: list[tuple[RequestState, int]]) -> None:
         t0 = time.perf_counter()
-        rows = torch.tensor(st.prompt_ids, dtype=torch.int64)
-        images = st.prompt_images
-        st.seq.rope_delta = images.rope_delta if images is not None else 0
+        rows, images = [], []
+        for st, n in group:
+            pos = st.seq.length
+            whole = st.prompt_images is not None and pos == 0
+            if whole:
+                st.seq.rope_delta = st.prompt_images.rope_delta
+            rows.append(torch.tensor(st.prompt_ids[pos : pos + n], dtype=torch.int64))
+            images.append(st.prompt_images if whole else None)
         out = self.target.forward(
-            [st.seq],
-            [rows],
-            [[len(st.prompt_ids) - 1]],
-            tap_layers,
-            [images] if images is not None else None,
+            [st.seq for st, _ in group],
+            rows,
+            [[n - 1] for _, n in group],
+            self.taps,
+            images if any(m is not None for m in images) else None,
+            prefill=True,
         )
-        token = next_tokens([out.logits[0][-1]], [st.params], [st])[0]
+        self.stats.passes += 1
+        self.stats.chunks += len(group)
+        dt = time.perf_counter() - t0
+        done, last = [], []
+        for b, (st, _) in enumerate(group):
+            st.metrics.prefill_s += dt / len(group)
+            if self.taps:  # a copy: the TensorRT taps live in a ring the next call reuses
+                st.prefill_features.append(out.taps[b].clone())
+            if st.seq.length == len(st.prompt_ids):
+                done.append(st)
+                last.append(out.logits[b][-1])
+        if done:
+            tokens = next_tokens(last, [s.params for s in done], done)
+            for st, token in zip(done, tokens, strict=True):
+                self._end_prefill(st, token)
+
+    def _end_prefill(self, st: RequestState, token: int) -> None:
+        """The prompt is in the cache: cache its pages, hand its taps to the draft, commit
+        the first token."""
+        features = torch.cat(st.prefill_features) if self.taps else None
+        self.register_prompt(st, features)
+        st.prefill_features = []
+        if self.taps:
+            st.pending_features = features
         st.anchor = token
-        st.metrics.prefill_s += time.perf_counter() - t0
         st.metrics.prompt_tokens = len(st.prompt_ids)
         self._commit(st, [token])
-        return out.taps[0] if out.taps is not None else None
 
+    # ------------------------------------------------------------------ steps
     def step(self, states: list[RequestState]) -> None:
-        """Advance every unfinished request by one token (prefill first when needed)."""
+        """Advance every unfinished request by one token (or one prefill chunk)."""
         for st in states:
             st.new_tokens = []
-        fresh = [s for s in states if s.anchor is None and not s.finished]
-        for st in fresh:
-            self.prefill(st)
-        live = [s for s in states if s not in fresh and not s.finished]
+        live = [s for s in states if s.anchor is not None and not s.finished]
+        waiting = [s for s in states if s.anchor is None and not s.finished]
+        if waiting:
+            self.prefill(waiting, decode_rows=len(live))
         if not live:
             return
         t0 = time.perf_counter()
@@ -215,6 +363,8 @@ class DSparkDecoder(TargetOnlyDecoder):
             the per-request lengths that pay for themselves under the current batch, and
             skips the draft pass when none does. None = every request verifies n (or up to
             the static cutoff).
+        prefill: prefill settings (:class:`TargetOnlyDecoder`); the taps of every prefill
+            chunk (and those cached with a prefix-cache hit) become the draft's context.
     """
 
     def __init__(
@@ -224,8 +374,9 @@ class DSparkDecoder(TargetOnlyDecoder):
         num_speculative_tokens: int,
         confidence_threshold: float = 0.0,
         scheduler: ConfidenceScheduler | None = None,
+        prefill: PrefillConfig | None = None,
     ):
-        super().__init__(target)
+        super().__init__(target, prefill)
         self.draft = draft
         self.n = num_speculative_tokens
         self.threshold = confidence_threshold
@@ -242,18 +393,18 @@ class DSparkDecoder(TargetOnlyDecoder):
         super().finish(st)
         if st.draft_seq is not None:
             self.draft.free(st.draft_seq)
-        st.pending_features = None
+        st.pending_features = st.pending_buffer = None
         if self.scheduler is not None:
             self.scheduler.forget(st.request_id)
 
     def step(self, states: list[RequestState]) -> None:
-        """One speculative step for every unfinished request (prefill first when needed)."""
+        """One speculative step for every unfinished request (or one prefill chunk)."""
         for st in states:
             st.new_tokens = []
-        fresh = [s for s in states if s.anchor is None and not s.finished]
-        for st in fresh:
-            st.pending_features = self.prefill(st, self.taps)
-        live = [s for s in states if s not in fresh and not s.finished]
+        live = [s for s in states if s.anchor is not None and not s.finished]
+        waiting = [s for s in states if s.anchor is None and not s.finished]
+        if waiting:
+            self.prefill(waiting, decode_rows=len(live) * (self.n + 1))
         if not live:
             return
         if self.scheduler is not None:
@@ -300,11 +451,7 @@ class DSparkDecoder(TargetOnlyDecoder):
         dt = time.perf_counter() - t0
         tokens = next_tokens([lg[0] for lg in out.logits], [s.params for s in live], live)
         for b, (st, token) in enumerate(zip(live, tokens, strict=True)):
-            tap = out.taps[b][:1]
-            if st.pending_features is None or not len(st.pending_features):
-                st.pending_features = tap.clone()  # TensorRT taps live in a reused ring
-            else:
-                st.pending_features = torch.cat([st.pending_features, tap])
+            _append_pending(st, out.taps[b][:1])
             st.anchor = token
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=0, accepted=0)
@@ -322,7 +469,7 @@ class DSparkDecoder(TargetOnlyDecoder):
                 [s.draft_seq for s in need], [s.pending_features for s in need]
             )
             for s in need:
-                s.pending_features = None
+                s.pending_features = s.pending_buffer = None
         # Budget: a step commits n+1 tokens at most, so never draft past the remaining budget.
         if counts is None:
             counts = [max(0, min(self.n, s.remaining - 1)) for s in live]
@@ -373,6 +520,26 @@ class DSparkDecoder(TargetOnlyDecoder):
             st.metrics.record_step(proposed=n, accepted=a)
             self._commit(st, v.tokens(prop.tokens))
         return dt, [v.accepted for v in verdicts]
+
+
+def _append_pending(st: RequestState, rows: torch.Tensor) -> None:
+    """Append target features [m, F] to ``st.pending_features`` in amortised O(m).
+
+    The rows are copied (TensorRT taps live in a ring the next call reuses) into a buffer
+    that doubles when full, so the many draft-less steps of a loaded server do not copy the
+    whole pending context every step.
+    """
+    cur, buf = st.pending_features, st.pending_buffer
+    n, m = (0 if cur is None else int(cur.shape[0])), int(rows.shape[0])
+    fits = buf is not None and n and cur.data_ptr() == buf.data_ptr() and n + m <= buf.shape[0]
+    if not fits:
+        new = rows.new_empty((max(16, 2 * (n + m)), rows.shape[1]))
+        if n:
+            new[:n] = cur
+        buf = new
+    buf[n : n + m] = rows
+    st.pending_buffer = buf
+    st.pending_features = buf[: n + m]
 
 
 def next_tokens(

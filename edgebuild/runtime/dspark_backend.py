@@ -10,20 +10,14 @@ candidates, which keeps rejection sampling exact. `draft_top_k` 0 uses the full 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
-from edgebuild.checkpoint.config import ModelConfig
-from edgebuild.checkpoint.pairing import PairedSources
-from edgebuild.checkpoint.source import COMPONENT, TARGET, WeightSource
-from edgebuild.models.dspark import DSparkDraft, MarkovHeadType, check_draft
+from edgebuild.models.dspark import DSparkDraft, MarkovHeadType
 from edgebuild.runtime.backend import Proposal
-from edgebuild.runtime.cpu import resolve_dtype
 from edgebuild.runtime.kv_cache import PageAllocator, Sequence, allocate_pools
 from edgebuild.runtime.markov_walk import draw_rows, walk_lattice, walk_uniforms
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.speculative import SpeculativeConfig
 from edgebuild.runtime.torch_backend import make_batch, pad_rows
 
 log = logging.getLogger("edgebuild.runtime")
@@ -170,45 +164,3 @@ class TorchDraft:
             )
             for b, n in enumerate(num_tokens)
         ]
-
-
-def prepare_draft(
-    spec: SpeculativeConfig, target_source: WeightSource
-) -> Callable[..., TorchDraft]:
-    """Validate a draft against its target before loading anything large.
-
-    Returns a loader `loader(options) -> TorchDraft`.
-
-    Raises:
-        ConfigError / PairingError / CheckpointError: bad speculative config, a draft that
-            does not fit its target (hidden, vocab, taps, mask id, heads), or bad files.
-    """
-    draft_source = WeightSource(spec.model, COMPONENT)
-    pair = PairedSources(draft_source, WeightSource(target_source.path, TARGET))
-    target_cfg = ModelConfig.from_dict(target_source.config, str(target_source.config_path))
-    checked = check_draft(pair, target_cfg)  # the same checks as `edgebuild inspect --draft`
-    spec.check_block(checked.config.block_size, str(draft_source.config_path))
-    head, embed = checked.lm_head, checked.embed_tokens
-    log.info(
-        "draft %s: lm_head from %s (%s), embed_tokens from %s",
-        spec.model,
-        head.checkpoint_source,
-        head.format,
-        embed.checkpoint_source,
-    )
-
-    def load(options) -> TorchDraft:
-        model = DSparkDraft.from_source(
-            draft_source,
-            target_cfg,
-            head.value,
-            embed.value,
-            resolve_dtype(options.dtype),
-            lm_head_origin=f"{head.file}: {head.name}",
-            embed_origin=f"{embed.file}: {embed.name}",
-        )
-        return TorchDraft(
-            model, options.max_kv_rows, options.page_size, spec.draft_top_k, options.quant
-        )
-
-    return load

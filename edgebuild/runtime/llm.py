@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from edgebuild.runtime.multimodal import (
     count_image_parts,
     template_messages,
 )
+from edgebuild.runtime.prefill import PrefillConfig
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.stopping import IncrementalDetokenizer
 from edgebuild.runtime.torch_backend import DEFAULT_PAGE_SIZE, open_torch_runtime
@@ -74,6 +75,7 @@ class RuntimeOptions:
     max_images: most images in one prompt (vision-language targets).
     quant: None, or ``"int8"``: weight-only int8 linears on the CPU (opt-in: faster, but the
         outputs are the int8 model's, not the checkpoint's; DSpark still equals target-only).
+    prefill: chunked / batched prefill and prefix caching (:mod:`edgebuild.runtime.prefill`).
     """
 
     max_kv_rows: int = 16384
@@ -83,6 +85,15 @@ class RuntimeOptions:
     max_images: int = 8
     quant: str | None = None
     max_seq_rows: int | None = None
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+
+    def prefill_config(self) -> PrefillConfig:
+        """The prefill settings fitted to the page size and max_input_len.
+
+        Raises:
+            ConfigError: a bad value, naming its flag.
+        """
+        return self.prefill.resolved(self.page_size, self.max_input_len)
 
     @property
     def seq_capacity(self) -> int:
@@ -149,7 +160,7 @@ class LLM:
         self.options, self.config = rt.runtime_options(self.options), rt.config
         self.target_model, self.vision = rt.target_model, rt.vision  # torch: None on TensorRT
         self.target, self.draft = rt.target, rt.draft
-        self.decoder = rt.decoder(spec)
+        self.decoder = rt.decoder(spec, self.options.prefill_config())
         self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
         if spec is not None and spec.confidence_scheduling:
             self.enable_confidence_scheduling(1)
@@ -169,7 +180,7 @@ class LLM:
         base.target_model, base.config, base.vision = self.target_model, self.config, self.vision
         base.tokenizer, base._ids = self.tokenizer, self._ids
         base.target, base.draft = self.target, None
-        base.decoder = TargetOnlyDecoder(self.target)
+        base.decoder = TargetOnlyDecoder(self.target, self.decoder.prefill_config)
         return base
 
     def enable_confidence_scheduling(self, max_batch: int, repeats: int = 2):
@@ -334,6 +345,16 @@ class LLM:
         self.decoder.start(st)
         return st
 
+    def set_prefill(self, prefill: PrefillConfig) -> None:
+        """Use `prefill` (fitted to the page size and max_input_len) from the next step on;
+        pages cached so far stay cached (and are used again when caching is on).
+
+        Raises:
+            ConfigError: a bad value, naming its flag.
+        """
+        self.options.prefill = prefill
+        self.decoder.prefill_config = self.options.prefill_config()
+
     def finish(self, st: RequestState) -> None:
         """Free every per-request resource (KV pages, draft state)."""
         self.decoder.finish(st)
@@ -344,19 +365,31 @@ class LLM:
         draft = self.draft.allocator.free_pages if self.draft is not None else 0
         return self.target.allocator.free_pages, draft
 
+    def first_step_pages(self, prompt_ids: list[int], images=None) -> tuple[int, int]:
+        """KV pages (target, draft) the first step of a new request may take: its first
+        prefill chunk beyond its cached prompt prefix, plus the evictable cached pages it
+        attaches (they count as free until then); nothing on the draft."""
+        has_images = bool(images) or (
+            self.vision is not None and self.vision.image_token_id in prompt_ids
+        )
+        return self.decoder.first_step_pages(prompt_ids, has_images), 0
+
     def step_pages(self, st: RequestState) -> tuple[int, int]:
         """KV pages (target, draft) that the next decoder step of `st` may newly take.
 
-        A request whose prefill is pending takes its prompt rows; a preempted one (no
-        sequence, output kept) takes its recompute (:meth:`resume`) plus one step; a running
-        one takes one verify block on the target (anchor + drafts) and, with a draft, its
-        pending context rows plus one draft block (reserved during the draft pass).
+        A request in prefill takes its next prompt chunk (a preempted one, without a
+        sequence, its first step again); a preempted one with output takes its recompute
+        (:meth:`resume`) plus one step; a running one takes one verify block on the target
+        (anchor + drafts) and, with a draft, its pending context rows plus one draft block
+        (reserved during the draft pass).
         """
         target_alloc = self.target.allocator
         spec = self.speculative.num_speculative_tokens if self.speculative else 0
         block = self.draft.block_size if self.draft is not None else 0
-        if st.anchor is None:  # prefill (fresh, or preempted before its first token)
-            return target_alloc.pages_for(len(st.prompt_ids)), 0
+        if st.anchor is None and st.seq is None:  # preempted before its first token
+            return self.first_step_pages(st.prompt_ids, st.prompt_images), 0
+        if st.anchor is None:  # in prefill: its next chunk
+            return self.decoder.prefill_step_pages(st), 0
         if st.seq is None:  # preempted: recompute prompt + output[:-1], then a step
             cached = len(st.prompt_ids) + len(st.output_ids) - 1
             draft = self.draft.allocator.pages_for(cached + block) if self.draft else 0
@@ -374,38 +407,47 @@ class LLM:
         generator: :meth:`resume` recomputes the cache (recompute preemption, as in vLLM)."""
         self.decoder.finish(st)
         st.seq = st.draft_seq = None
-        st.pending_features = None
+        st.pending_features = st.pending_buffer = None
 
     def resume(self, st: RequestState) -> None:
         """New cache sequences for a preempted request, refilled with its prompt and all but
         the last output token (the anchor), and, with a draft, the target features of those
         rows as pending draft context: the state a decoder step would have left.
 
-        Rows go through the target in calls of at most max_input_len rows (the prompt first,
-        with its images); the draft takes its context in pieces of at most max_input_len rows
-        too (each piece through a draft pass that proposes nothing, since the TensorRT draft
-        engine writes context only as part of a pass), the last piece left pending.
+        Rows go through the target in calls of at most max_input_len rows (the rest of the
+        prompt after its cached prefix first, with its images; its full pages are cached
+        again); the draft takes its context (the cached taps of the prefix pages first) in
+        pieces of at most max_input_len rows too (each piece through a draft pass that
+        proposes nothing, since the TensorRT draft engine writes context only as part of a
+        pass), the last piece left pending.
         """
-        self.decoder.start(st)
-        if st.anchor is None:  # preempted before its prefill: the next step prefills
+        self.decoder.start(st)  # attaches the cached prefix of the prompt
+        if st.anchor is None:  # preempted before its first token: the next steps prefill
             return
         taps = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
         images = st.prompt_images
         st.seq.rope_delta = images.rope_delta if images is not None else 0
         out_ids = st.output_ids[:-1]
         step = max(1, self.options.max_input_len)
-        chunks = [st.prompt_ids] + [out_ids[i : i + step] for i in range(0, len(out_ids), step)]
-        features = []
+        chunks = [st.prompt_ids[st.seq.length :]]
+        chunks += [out_ids[i : i + step] for i in range(0, len(out_ids), step)]
+        features = list(st.prefill_features) if taps else []
+        st.prefill_features = []
         for i, chunk in enumerate(chunks):
+            if not chunk:
+                continue
             out = self.target.forward(
                 [st.seq],
                 [torch.tensor(chunk, dtype=torch.int64)],
                 [[len(chunk) - 1]],
                 taps,
                 [images] if i == 0 and images is not None else None,
+                prefill=True,
             )
             if taps:  # a copy: the TensorRT taps live in a ring the next call may reuse
                 features.append(out.taps[0].clone())
+            if i == 0:
+                self.decoder.register_prompt(st, torch.cat(features) if taps else None)
         if taps:
             self._refill_draft(st, torch.cat(features), step)
 

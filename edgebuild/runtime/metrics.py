@@ -15,6 +15,7 @@ class RequestMetrics:
     """Counters of one request (or an aggregate of several: see :meth:`merge`)."""
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt rows taken from the prefix cache
     generated: int = 0
     steps: int = 0
     committed: int = 0  # sum of (accepted + 1) over steps
@@ -64,7 +65,7 @@ class RequestMetrics:
     def merge(self, other: RequestMetrics) -> RequestMetrics:
         """Sum of two metric sets (for aggregates over requests)."""
         out = RequestMetrics()
-        for name in ("prompt_tokens", "generated", "steps", "committed"):
+        for name in ("prompt_tokens", "cached_prompt_tokens", "generated", "steps", "committed"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("prefill_s", "draft_s", "verify_s"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
@@ -81,6 +82,7 @@ class RequestMetrics:
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "generated_tokens": self.generated,
             "steps": self.steps,
             "tau": round(self.tau, 4),

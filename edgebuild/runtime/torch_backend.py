@@ -39,11 +39,16 @@ def pad_rows(rows: list[torch.Tensor], fill: int = 0) -> torch.Tensor:
 
 
 def make_batch(
-    allocator: PageAllocator, seqs: list[Sequence], lengths: list[int], positions=None
+    allocator: PageAllocator,
+    seqs: list[Sequence],
+    lengths: list[int],
+    positions=None,
+    prefill: bool = False,
 ) -> PagedBatch:
     """Reserve pages for `lengths[b]` new rows of each sequence and describe the batch.
 
-    Positions default to the cache slots (seq.length + i).
+    Positions default to the cache slots (seq.length + i); `prefill`: prompt rows (the
+    chunk-invariant attention path, :class:`PagedBatch`).
     """
     for s, n in zip(seqs, lengths, strict=True):
         allocator.reserve(s, n)
@@ -56,6 +61,7 @@ def make_batch(
         past_lengths=past,
         input_lengths=torch.tensor(lengths, dtype=torch.int32),
         positions=positions.to(torch.int32),
+        prefill=prefill,
     )
 
 
@@ -111,8 +117,13 @@ class TorchTarget:
         logits_rows: list[list[int]],
         tap_layers: tuple[int, ...] = (),
         images: list[MultimodalPrefill | None] | None = None,
+        prefill: bool = False,
     ) -> TargetStep:
         """Append `rows[b]` to sequence b and return logits of `logits_rows[b]` (+ taps).
+
+        `prefill`: the rows are prompt rows; a row's bits then do not depend on how the
+        prompt is cut into calls nor on the other prompts of the call (chunked, batched
+        prefill and the prefix cache rely on it; ops/attention_fast.py).
 
         rows[b]: int64 [n_b]; logits_rows[b]: indices in [0, n_b). Returns fp32 logits
         [len(logits_rows[b]), V] per sequence and taps [n_b, n_t * d] when asked for.
@@ -124,7 +135,7 @@ class TorchTarget:
         width = max(lengths)
         slots = torch.tensor([s.length + s.rope_delta for s in seqs], dtype=torch.int64)
         flat = slots[:, None] + torch.arange(width)[None, :]  # [B, S]
-        batch = make_batch(self.allocator, seqs, lengths, positions=flat)
+        batch = make_batch(self.allocator, seqs, lengths, positions=flat, prefill=prefill)
         ids = pad_rows(rows)
         mrope, embeds = None, None
         if images is not None and any(m is not None for m in images):
@@ -185,16 +196,21 @@ class TorchRuntime:
         given (``options`` is what was passed to :func:`open_torch_runtime`)."""
         return self.options
 
-    def decoder(self, spec):
+    def decoder(self, spec, prefill=None):
         """The decoder over these backends: the speculative method's (the registry's
-        ``decoder``) with a draft, else :class:`TargetOnlyDecoder`."""
+        ``decoder``) with a draft, else :class:`TargetOnlyDecoder` (`prefill`: a resolved
+        PrefillConfig; the prefix cache lives in the target's page allocator)."""
         from edgebuild.runtime.decoding import TargetOnlyDecoder
         from edgebuild.speculative.registry import get_method
 
         if self.draft is None:
-            return TargetOnlyDecoder(self.target)
+            return TargetOnlyDecoder(self.target, prefill)
         return get_method(spec.method).resolve("decoder")(
-            self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold
+            self.target,
+            self.draft,
+            spec.num_speculative_tokens,
+            spec.confidence_threshold,
+            prefill=prefill,
         )
 
 

@@ -341,6 +341,7 @@ class TrtTarget:
         logits_rows: list[list[int]],
         tap_layers: tuple[int, ...] = (),
         images: list[MultimodalPrefill | None] | None = None,
+        prefill: bool = False,
     ) -> TargetStep:
         """Append ``rows[b]`` to sequence b; fp32 host logits of ``logits_rows[b]`` and, when
         asked, device taps [n_b, n_t * d] (views of the tap ring, valid until the sequence's
@@ -348,7 +349,8 @@ class TrtTarget:
         one call's image rows) run in chunks.
 
         ``images[b]``: the prefill of a prompt with images (its image rows and embeddings,
-        3-axis positions); see the module docstring.
+        3-axis positions); see the module docstring. ``prefill`` (prompt rows) changes
+        nothing here: the engines run their own context phase.
 
         Raises:
             ConfigError: taps the engine was not built with; images for a base engine
@@ -725,8 +727,9 @@ class TrtRuntime:
             max_images=images,
         )
 
-    def decoder(self, spec):
-        """The decoder over these engines.
+    def decoder(self, spec, prefill=None):
+        """The decoder over these engines (`prefill`: a resolved PrefillConfig; the prefix
+        cache lives in the target's page allocator, shared with the engines' pools).
 
         Raises:
             ConfigError: a `draft_top_k` given in the speculative config that differs from
@@ -734,10 +737,22 @@ class TrtRuntime:
                 engine's shapes and cannot change at run time).
         """
         from edgebuild.runtime.decoding import TargetOnlyDecoder
+        from edgebuild.runtime.prefill import PrefillConfig
         from edgebuild.speculative.registry import get_method
 
+        lim = self.plan.limits  # chunks never above the engines' max input length
+        prefill = (prefill or PrefillConfig()).resolved(lim.page_size, lim.max_input_len)
+        if prefill.enable_prefix_caching or prefill.enable_chunked_prefill:
+            log.info(
+                "tensorrt: chunked prefill %s (%d rows), prefix caching %s; cached pages are "
+                "reused as the engines' context phase wrote them (bit-identity with a one-pass "
+                "prefill is checked on the CPU backend only)",
+                "on" if prefill.enable_chunked_prefill else "off",
+                prefill.prefill_chunk,
+                "on" if prefill.enable_prefix_caching else "off",
+            )
         if self.draft is None:
-            return TargetOnlyDecoder(self.target)
+            return TargetOnlyDecoder(self.target, prefill)
         if spec.draft_top_k_given and spec.draft_top_k != self.draft.top_k:
             raise ConfigError(
                 f"--speculative-config: draft_top_k {spec.draft_top_k} cannot be honoured: the "
@@ -746,8 +761,9 @@ class TrtRuntime:
                 "bundle with speculative.draft_top_k in its recipe"
             )
         return get_method(spec.method).resolve("decoder")(
-            self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold
-        )
+            self.target, self.draft, spec.num_speculative_tokens, spec.confidence_threshold,
+            prefill=prefill,
+        )  # fmt: skip
 
 
 def _check_spec(manifest: dict, spec, limits: EngineLimits, bundle: Path) -> bool:

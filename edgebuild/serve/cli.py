@@ -13,6 +13,7 @@ import click
 
 from edgebuild.errors import EdgebuildError
 from edgebuild.runtime.cpu import DTYPE_CHOICES
+from edgebuild.runtime.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from edgebuild.serve.config import BACKENDS, ServeConfig, load_state
 from edgebuild.speculative.registry import speculative_help
 
@@ -60,6 +61,22 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
     default=30.0,
     type=float,
     help="On SIGTERM, how long running requests may go on before they get a 503.",
+)
+@click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=True,
+    help="Reuse the KV cache of prompt prefixes computed before (multi-turn chat, system prompts).",
+)
+@click.option(
+    "--enable-chunked-prefill/--no-enable-chunked-prefill",
+    default=True,
+    help="Prefill prompts in chunks batched under --max-num-batched-tokens (off: one by one).",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    type=int,
+    help="Rows one step may run: prompt chunks plus the decode rows of running requests.",
 )
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning"]))
 def main(log_level: str, **flags) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from edgebuild.errors import ConfigError
 from edgebuild.runtime.cpu import resolve_dtype, set_cpu_threads
 from edgebuild.runtime.llm import LLM, RuntimeOptions
+from edgebuild.runtime.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS, PrefillConfig
 from edgebuild.runtime.select import BACKENDS, BackendChoice, select_backend
 from edgebuild.serve.metrics import ServeMetrics
 from edgebuild.serve.scheduler import Scheduler
@@ -48,6 +49,11 @@ class ServeConfig:
             bfloat16 or float32.
         graceful_shutdown_s: on SIGTERM, how long running requests may go on; then each gets
             the documented 503 (an SSE error event and `[DONE]` on a stream).
+        enable_prefix_caching: reuse the KV pages (and draft context) of full prompt pages
+            that earlier requests computed (runtime/prefill.py).
+        enable_chunked_prefill: prefill prompts in chunks, batched, under
+            max_num_batched_tokens (False: whole prompts, one by one).
+        max_num_batched_tokens: rows one decoder step may run (prompt chunks + decode rows).
     """
 
     model: Path
@@ -66,6 +72,18 @@ class ServeConfig:
     threads: int | None = None
     dtype: str = "auto"
     graceful_shutdown_s: float = 30.0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    @property
+    def prefill(self) -> PrefillConfig:
+        """The prefill settings of these flags."""
+        return PrefillConfig(
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
 
     def validate(self) -> None:
         """Check the numbers before loading anything.
@@ -73,7 +91,13 @@ class ServeConfig:
         Raises:
             ConfigError: naming the flag and the accepted range.
         """
-        positive = ("max_batch_size", "max_input_len", "max_kv_cache_capacity", "max_request_bytes")
+        positive = (
+            "max_batch_size",
+            "max_input_len",
+            "max_kv_cache_capacity",
+            "max_request_bytes",
+            "max_num_batched_tokens",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
@@ -115,8 +139,11 @@ class ServeState:
 
     @classmethod
     def from_llm(cls, config: ServeConfig, llm: LLM, backend: BackendChoice | None = None):
-        """A state around an already loaded LLM (the scheduler starts with the app)."""
+        """A state around an already loaded LLM (the scheduler starts with the app); the
+        config's prefill flags apply to the LLM's decoder (:meth:`LLM.set_prefill`)."""
+        llm.set_prefill(config.prefill)
         metrics = ServeMetrics(config.model_name)
+        metrics.prefill_start(llm.decoder.stats)
         spec = llm.speculative
         metrics.speculative = spec is not None
         if spec is not None and spec.confidence_scheduling:
@@ -172,6 +199,7 @@ def load_state(config: ServeConfig) -> ServeState:
         max_kv_rows=config.max_kv_cache_capacity,
         max_input_len=config.max_input_len,
         dtype=resolve_dtype(config.dtype),
+        prefill=config.prefill,
     )
     llm = LLM(
         config.model,

@@ -10,6 +10,12 @@ length, bonus included), exported directly as `edgellm_spec_decode_mean_accepted
 per draft position i (1-based), `..._draft_proposed_total{position}` and
 `..._draft_accepted_total{position}` give the acceptance rate at i, exported as
 `edgellm_spec_decode_acceptance_rate{position}`.
+
+Prefill (runtime/prefill.py): `edgellm_prefix_cache_queries_total` prompt tokens looked up in
+the prefix cache and `edgellm_prefix_cache_hits_total` those found (tokens, as vLLM counts
+them), their ratio `edgellm_prefix_cache_hit_rate`; `edgellm_prefill_chunks_total` prompt
+chunks run and `edgellm_prefill_passes_total` target passes that ran them (chunks per pass
+is the prefill batch size).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from prometheus_client import (
 )
 
 from edgebuild.runtime.metrics import RequestMetrics
+from edgebuild.runtime.prefill import PrefillStats
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 
@@ -119,8 +126,31 @@ class ServeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.prefix_queries = Counter(
+            "edgellm_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "edgellm_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not recomputed)",
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "edgellm_prefix_cache_hit_rate",
+            "Prefix cache hits / queries (tokens) since start",
+            registry=r,
+        )
+        self.prefill_chunks = Counter(
+            "edgellm_prefill_chunks", "Prompt chunks prefilled", registry=r
+        )
+        self.prefill_passes = Counter(
+            "edgellm_prefill_passes", "Target passes that ran prompt chunks", registry=r
+        )
         self._lock = threading.Lock()
         self._spec = RequestMetrics()
+        self._prefill = PrefillStats()  # the decoder's totals when last read
+        self._prefix = [0, 0]  # hits, queries counted by this server
         self.speculative = False  # set by the server: count draft-less steps of DSpark too
 
     def attach_schedule(self, scheduler) -> None:
@@ -155,6 +185,28 @@ class ServeMetrics:
             self.spec_tau.set(self._spec.tau)
             for i, rate in enumerate(self._spec.acceptance_by_position):
                 self.acceptance.labels(str(i + 1)).set(rate)
+
+    def prefill_start(self, stats: PrefillStats) -> None:
+        """Count prefill from a decoder's running totals `stats` on (a decoder may have run
+        before this server started)."""
+        with self._lock:
+            self._prefill = stats.copy()
+
+    def prefill_update(self, stats: PrefillStats) -> None:
+        """Bring the prefill counters up to a decoder's running totals `stats`."""
+        with self._lock:
+            last, self._prefill = self._prefill, stats.copy()
+            hits = max(0, stats.prefix_hits - last.prefix_hits)
+            queries = max(0, stats.prefix_queries - last.prefix_queries)
+            self._prefix[0] += hits
+            self._prefix[1] += queries
+            rate = self._prefix[0] / self._prefix[1] if self._prefix[1] else None
+        self.prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
+        self.prefill_chunks.inc(max(0, stats.chunks - last.chunks))
+        self.prefill_passes.inc(max(0, stats.passes - last.passes))
+        if rate is not None:
+            self.prefix_hit_rate.set(rate)
 
     def queue_depth(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)

@@ -17,19 +17,29 @@ Threads and queues:
 
 Admission policy (KV pages). Nothing is reserved for a request's worst case: a request is
 admitted when the free pages cover, besides what the running batch's next step may take, its
-own first step (its prompt rows: :meth:`LLM.step_pages`), and a sequence's pages grow as it
-decodes (the decoders reserve per step). Before every step the worker checks that the free
-pages cover what every running request's step may take (one verify block each, plus the
-draft's context rows and block); when they do not, it preempts the request that arrived
-last: its pages are freed, its output and random generator kept, and it goes back to the
-front of the queue; when readmitted its cache is recomputed from prompt + output
-(:meth:`LLM.resume`) and it continues where it stopped, its client seeing one stream. The
-oldest requests so always progress; a request alone always fits, because a request is
-refused (400) unless prompt + max_tokens fit one sequence's capacity, which is at most the
-pool.
+own first step (:meth:`LLM.first_step_pages`: its first prefill chunk beyond the cached
+prefix of its prompt, plus the cached pages it attaches that were counted free), and a
+sequence's pages grow as it prefills chunk by chunk and decodes (the decoders reserve per
+step). "Free" includes evictable prefix-cache pages (cached, no user), which a reservation
+takes over, least recently used first. Before every step the worker checks that the free
+pages cover what every running request's step may take (its next prompt chunk while in
+prefill; else one verify block, plus the draft's context rows and block); when they do not,
+it preempts the request that arrived last: its pages are freed, its output and random
+generator kept, and it goes back to the front of the queue; when readmitted its cache is
+recomputed from prompt + output (:meth:`LLM.resume`, which may start from cached prompt
+pages) and it continues where it stopped, its client seeing one stream. The oldest requests
+so always progress; a request alone always fits, because a request is refused (400) unless
+prompt + max_tokens fit one sequence's capacity, which is at most the pool (every page not
+held by the request being free or evictable).
+
+Prefill (runtime/prefill.py): the decoder step runs, before the decode pass of the running
+requests, one batched pass over prompt chunks of requests still in prefill under
+``--max-num-batched-tokens``; a request's first token is posted after the step that ran its
+last chunk.
 
 Only the worker touches the model, the KV allocators and the RequestStates, so there is no
-shared mutable model state between requests beyond the paged pools, which never share pages.
+shared mutable model state between requests beyond the paged pools, whose only shared pages
+are read-only prefix-cache pages (runtime/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -349,8 +359,7 @@ class Scheduler:
     def _first_step_pages(self, ticket: Ticket) -> tuple[int, int]:
         if ticket.preempted is not None:
             return self.llm.step_pages(ticket.preempted.state)
-        pages = self.llm.target.allocator.pages_for(len(ticket.prompt_ids))
-        return pages, 0
+        return self.llm.first_step_pages(ticket.prompt_ids, ticket.images)
 
     def _admit_locked(self) -> list[Ticket]:
         """Pop waiting tickets (FIFO) whose first step fits the KV pool beside the running
@@ -455,6 +464,7 @@ class Scheduler:
                 self._end(a, Event("error", status=500, message=_internal(exc)), "error")
             return
         self.metrics.steps.inc()
+        self.metrics.prefill_update(self.llm.decoder.stats)
         now = time.perf_counter()
         for a in list(self._active):
             try:
