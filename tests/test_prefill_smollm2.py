@@ -81,12 +81,19 @@ TOPICS = ["cats", "the moon", "Paris", "the sea", "iron", "Python", "music", "te
           "bees", "snow", "trains", "stars", "bread", "chess", "rivers", "clocks"]  # fmt: skip
 
 
-def test_16_concurrent_dspark_requests_with_cache_hits_equal_their_cold_solo_runs(smollm2_dir):
+@pytest.mark.parametrize("scheduled", [False, True], ids=["fixed", "confidence-scheduled"])
+def test_16_concurrent_dspark_requests_with_cache_hits_equal_their_cold_solo_runs(
+    smollm2_dir, scheduled
+):
     """16 greedy requests under one long system prompt, stepped together with chunked,
     batched prefill (a 512-row budget: several passes), 15 of them hitting the pages the first
-    one cached; DSpark with the shipped draft, bf16."""
+    one cached; DSpark with the shipped draft, bf16; everything on: with confidence scheduling
+    too (profiled costs, per-request lengths, draft-less steps)."""
     opts = RuntimeOptions(dtype=torch.bfloat16, max_kv_rows=16384)
-    llm = LLM(smollm2_dir, speculative=SPEC, options=opts)
+    spec = {**SPEC, "confidence_scheduling": True} if scheduled else SPEC
+    llm = LLM(smollm2_dir, speculative=spec, options=opts)
+    if scheduled:
+        llm.enable_confidence_scheduling(16, repeats=1)
     prompts = [
         llm.encode_messages(
             [
@@ -105,3 +112,5 @@ def test_16_concurrent_dspark_requests_with_cache_hits_equal_their_cold_solo_run
     assert [s.output_ids for s in got] == cold
     assert all(s.metrics.cached_prompt_tokens >= 256 for s in got[1:])
     assert llm.decoder.stats.passes >= 2  # the budget split the prompts over passes
+    if scheduled:
+        assert llm.decoder.scheduler.stats.steps > 0

@@ -205,3 +205,28 @@ def test_admission_counts_the_first_chunk_beyond_the_cached_prefix(tiny_llm):
     assert llm.first_step_pages(prompt + [5]) == (1 + 4, 0)
     llm.set_prefill(PrefillConfig(enable_chunked_prefill=False, enable_prefix_caching=False))
     assert llm.first_step_pages(prompt) == (5, 0)  # the whole prompt, no cache
+
+
+def test_first_tokens_are_reported_after_the_prefill_pass_before_the_decode_pass(
+    tiny_target_model,
+):
+    """The server streams a new request's first token one pass earlier (TTFT): the decoder
+    hands it over between the step's prefill pass and its decode pass."""
+    dec, passes = stepped(tiny_target_model, PrefillConfig())
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    running = RequestState.create("run", [5, 6, 7], params)
+    fresh = RequestState.create("new", [8, 9, 10, 11], params)
+    for st in (running, fresh):
+        dec.start(st)
+    dec.step([running])
+    seen = []
+
+    def on_prefilled(states):
+        seen.append(([s.request_id for s in states], list(passes), len(running.new_tokens)))
+
+    dec.step([running, fresh], on_prefilled)
+    # called once, with the new request, after its prefill pass and before the decode pass
+    assert seen == [(["new"], [3, 4], 0)]
+    assert len(fresh.output_ids) == 1 and len(running.new_tokens) == 1
+    for st in (running, fresh):
+        dec.finish(st)

@@ -255,10 +255,10 @@ def throttle(llm, step_s: float):
     """Make every decoder step take at least `step_s` (tokens keep flowing: no idle gap)."""
     real, calls = llm.decoder.step, []
 
-    def step(states):
+    def step(states, *args):
         calls.append(len(states))
         time.sleep(step_s)
-        return real(states)
+        return real(states, *args)
 
     llm.decoder.step = step
     return calls
@@ -340,9 +340,9 @@ LAUNCHER = """
 import sys, time
 from edgebuild.runtime import decoding
 real = decoding.TargetOnlyDecoder.step
-def slow(self, states):  # 20 ms a step: 200 tokens take 4 s, far past the grace period
+def slow(self, states, *args):  # 20 ms a step: 200 tokens take 4 s, far past the grace period
     time.sleep(0.02)
-    return real(self, states)
+    return real(self, states, *args)
 decoding.TargetOnlyDecoder.step = slow
 from edgebuild.serve.cli import main
 main()

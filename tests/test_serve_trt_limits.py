@@ -73,9 +73,9 @@ def trt_llm(tiny, tmp_path, with_draft=False):
 def recording(llm):
     batches, real = [], llm.decoder.step
 
-    def step(states):
+    def step(states, *args):
         batches.append(len(states))
-        return real(states)
+        return real(states, *args)
 
     llm.decoder.step = step
     return batches

@@ -327,14 +327,20 @@ class TargetOnlyDecoder:
         self._commit(st, [token])
 
     # ------------------------------------------------------------------ steps
-    def step(self, states: list[RequestState]) -> None:
-        """Advance every unfinished request by one token (or one prefill chunk)."""
+    def step(self, states: list[RequestState], on_prefilled=None) -> None:
+        """Advance every unfinished request by one token (or one prefill chunk).
+
+        ``on_prefilled(states)``: called after the prefill pass with the requests whose
+        prompt it finished (their first token committed), before the decode pass of the same
+        step, so a server can stream first tokens one pass earlier.
+        """
         for st in states:
             st.new_tokens = []
         live = [s for s in states if s.anchor is not None and not s.finished]
         waiting = [s for s in states if s.anchor is None and not s.finished]
         if waiting:
             self.prefill(waiting, decode_rows=len(live))
+            _report_prefilled(waiting, on_prefilled)
         if not live:
             return
         t0 = time.perf_counter()
@@ -397,14 +403,16 @@ class DSparkDecoder(TargetOnlyDecoder):
         if self.scheduler is not None:
             self.scheduler.forget(st.request_id)
 
-    def step(self, states: list[RequestState]) -> None:
-        """One speculative step for every unfinished request (or one prefill chunk)."""
+    def step(self, states: list[RequestState], on_prefilled=None) -> None:
+        """One speculative step for every unfinished request (or one prefill chunk);
+        ``on_prefilled`` as in :meth:`TargetOnlyDecoder.step`."""
         for st in states:
             st.new_tokens = []
         live = [s for s in states if s.anchor is not None and not s.finished]
         waiting = [s for s in states if s.anchor is None and not s.finished]
         if waiting:
             self.prefill(waiting, decode_rows=len(live) * (self.n + 1))
+            _report_prefilled(waiting, on_prefilled)
         if not live:
             return
         if self.scheduler is not None:
@@ -520,6 +528,14 @@ class DSparkDecoder(TargetOnlyDecoder):
             st.metrics.record_step(proposed=n, accepted=a)
             self._commit(st, v.tokens(prop.tokens))
         return dt, [v.accepted for v in verdicts]
+
+
+def _report_prefilled(waiting: list[RequestState], on_prefilled) -> None:
+    """Hand the requests whose prefill just finished to ``on_prefilled`` (if any)."""
+    if on_prefilled is not None:
+        done = [s for s in waiting if s.anchor is not None]
+        if done:
+            on_prefilled(done)
 
 
 def _append_pending(st: RequestState, rows: torch.Tensor) -> None:

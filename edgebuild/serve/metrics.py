@@ -43,8 +43,19 @@ class ServeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str):
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._declare_requests(self.registry)
+        self._declare_speculation(self.registry)
+        self._declare_latency_and_prefill(self.registry)
+        self._lock = threading.Lock()
+        self._spec = RequestMetrics()
+        self._prefill = PrefillStats()  # the decoder's totals when last read
+        self._prefix = [0, 0]  # hits, queries counted by this server
+        self.speculative = False  # set by the server: count draft-less steps of DSpark too
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """HTTP responses, requests, tokens, queue and steps."""
         self.http_responses = Counter(
             "edgellm_http_responses",
             "HTTP responses by route and status",
@@ -77,6 +88,9 @@ class ServeMetrics:
             "Running requests preempted (pages freed, requeued, recomputed) for a full KV pool",
             registry=r,
         )
+
+    def _declare_speculation(self, r: CollectorRegistry) -> None:
+        """Speculative decoding: passes, committed tokens, tau, acceptance by position."""
         self.spec_steps = Counter(
             "edgellm_spec_decode_steps", "Target passes of speculative requests", registry=r
         )
@@ -108,6 +122,9 @@ class ServeMetrics:
             ["position"],
             registry=r,
         )
+
+    def _declare_latency_and_prefill(self, r: CollectorRegistry) -> None:
+        """TTFT, end-to-end and queue latency; prefix cache and prefill chunks."""
         self.ttft = Histogram(
             "edgellm_time_to_first_token_seconds",
             "Arrival to first token",
@@ -147,11 +164,6 @@ class ServeMetrics:
         self.prefill_passes = Counter(
             "edgellm_prefill_passes", "Target passes that ran prompt chunks", registry=r
         )
-        self._lock = threading.Lock()
-        self._spec = RequestMetrics()
-        self._prefill = PrefillStats()  # the decoder's totals when last read
-        self._prefix = [0, 0]  # hits, queries counted by this server
-        self.speculative = False  # set by the server: count draft-less steps of DSpark too
 
     def attach_schedule(self, scheduler) -> None:
         """Export a :class:`~edgebuild.runtime.spec_schedule.ConfidenceScheduler`'s counters

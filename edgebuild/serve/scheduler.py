@@ -457,7 +457,7 @@ class Scheduler:
     def _step(self) -> None:
         """One decoder step over the batch; publish new text; end finished requests."""
         try:
-            self.llm.decoder.step([a.state for a in self._active])
+            self.llm.decoder.step([a.state for a in self._active], self._publish_prefilled)
         except Exception as exc:  # a bug or resource failure must not stop the server
             log.exception("decoder step failed; failing the %d running requests", len(self._active))
             for a in list(self._active):
@@ -472,6 +472,20 @@ class Scheduler:
             except Exception as exc:  # e.g. detokenizing: fails this request only
                 log.exception("publishing request %s failed", a.ticket.request_id)
                 self._end(a, Event("error", status=500, message=_internal(exc)), "error")
+
+    def _publish_prefilled(self, states: list) -> None:
+        """Mid-step: post the first tokens of requests whose prefill just finished (before the
+        step's decode pass; time to first token one pass shorter). Published tokens are
+        cleared so that the end of the step does not count them again."""
+        ids = {id(s) for s in states}
+        now = time.perf_counter()
+        for a in [a for a in self._active if id(a.state) in ids and not a.state.finished]:
+            try:
+                self._publish(a, now)
+            except Exception as exc:  # e.g. detokenizing: fails this request only
+                log.exception("publishing request %s failed", a.ticket.request_id)
+                self._end(a, Event("error", status=500, message=_internal(exc)), "error")
+            a.state.new_tokens = []
 
     def _publish(self, a: _Active, now: float) -> None:
         """Post the request's new text; end it when it finished."""
