@@ -79,18 +79,12 @@ def shared_llm(target, draft, dtype, quant):
 
 class Edgebuild(Engine):
     def __init__(self, target, draft, dtype, threads, n, quant=None):
-        import copy
-
-        from edgebuild.runtime.decoding import TargetOnlyDecoder
-
         q = f" {quant}" if quant else ""
         self.name = f"edgebuild {'DSpark' if draft else 'target-only'} {dtype}{q} t{threads}"
         self.threads, self.dtype, self.quant, self.dspark = threads, dtype, quant, draft is not None
         llm = shared_llm(target, DRAFT_DEFAULT if draft is None else draft, dtype, quant)
-        if draft is None:
-            llm = copy.copy(llm)
-            llm.decoder, llm.speculative = TargetOnlyDecoder(llm.target), None
-        self.llm = llm
+        self.taps = tuple(llm.draft.target_layer_ids)  # the layers DSpark taps (step costs)
+        self.llm = llm.without_draft() if draft is None else llm  # same target weights
 
     def run(self, ids, n):
         from edgebuild.runtime.sampling import SamplingParams
@@ -109,7 +103,7 @@ class Edgebuild(Engine):
         ctx = (prompt_ids * 8)[:64]
         st = llm.new_request(ctx, SamplingParams(max_tokens=512))
         dec.step([st])  # prefill
-        taps = getattr(dec, "taps", ()) or tuple(llm.draft.target_layer_ids)  # as DSpark pays
+        taps = getattr(dec, "taps", ()) or self.taps  # as DSpark pays
         tgt = llm.target
 
         def decode():

@@ -180,13 +180,14 @@ def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec,
     params = SamplingParams(max_tokens=max_tokens, seed=seed, **sampling)
     spec = llm.speculative  # a bundle brings its own draft
     ids = [llm.encode(p, chat) for p in prompts]
-    if compare and spec:  # warm both paths first, so neither pays first-call costs in the timing
-        for warm in (llm, _target_only(llm)):
+    plain = llm.without_draft() if compare and spec else None  # same target, no draft
+    if plain is not None:  # warm both paths first, so neither pays first-call costs in the timing
+        for warm in (llm, plain):
             warm.generate_ids(ids[:1], SamplingParams(max_tokens=4))
     results = _timed_generate(llm, ids, params)
     report = {"mode": "dspark" if spec else "target-only", "backend": choice.name, **results}
-    if compare and spec:
-        base = _timed_generate(_target_only(llm), ids, params)
+    if plain is not None:
+        base = _timed_generate(plain, ids, params)
         report["target_only"] = base
         report["speedup"] = (
             round(results["tokens_per_s"] / base["tokens_per_s"], 3)
@@ -216,18 +217,6 @@ def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec,
             f"[target-only] {report['target_only']['tokens_per_s']:.2f} tok/s -> DSpark speedup "
             f"x{report['speedup']}; outputs identical: {all(report['identical_to_target_only'])}"
         )
-
-
-def _target_only(llm):
-    """A view of `llm` decoding without the draft (same target weights and cache)."""
-    import copy
-
-    from edgebuild.runtime.decoding import TargetOnlyDecoder
-
-    base = copy.copy(llm)
-    base.decoder = TargetOnlyDecoder(llm.target)
-    base.speculative = None
-    return base
 
 
 def _timed_generate(llm, ids, params) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tiny_checkpoints import write_tiny_checkpoint
 
 TINY = dict(
     vocab_size=256,
@@ -27,23 +28,11 @@ TINY = dict(
 def make_tiny_target(
     out: Path, arch: str = "qwen3", tied: bool = False, seed: int = 0, **overrides
 ) -> Path:
-    """A random transformers checkpoint (fp32): ``qwen3`` (q/k norm), ``llama`` or ``qwen2``."""
-    import transformers
-
-    names = {
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    }
-    config_cls, model_cls, extra = names[arch]
-    cfg = getattr(transformers, config_cls)(
-        **{**TINY, **extra, **overrides}, tie_word_embeddings=tied, architectures=[model_cls]
-    )
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(cfg).eval()
-    out = Path(out)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    """A random transformers checkpoint (fp32): ``qwen3`` (q/k norm), ``llama`` or ``qwen2``
+    (:data:`TINY` sizes; tests/tiny_checkpoints.py writes it)."""
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    fields = {**TINY, **extra, **overrides, "tie_word_embeddings": tied}
+    return write_tiny_checkpoint(Path(out), arch, seed=seed, **fields)
 
 
 def write_tiny_tokenizer(out: Path, vocab_size: int) -> None:

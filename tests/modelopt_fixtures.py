@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tiny_checkpoints import write_tiny_checkpoint
 
 TINY_QWEN3 = dict(
     hidden_size=64,
@@ -35,18 +36,9 @@ def make_tiny_qwen3(
     ``model.safetensors`` in ``dtype``; ``config.json`` with ``architectures`` set.
     The directory is ``tmp_dir / "qwen3-tiny[-tied]"``.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     out = Path(tmp_dir) / ("qwen3-tiny-tied" if tie_word_embeddings else "qwen3-tiny")
-    cfg = Qwen3Config(
-        **TINY_QWEN3,
-        tie_word_embeddings=tie_word_embeddings,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg).to(dtype).eval()
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    fields = {**TINY_QWEN3, "tie_word_embeddings": tie_word_embeddings}
+    return write_tiny_checkpoint(out, "qwen3", seed=seed, dtype=dtype, **fields)
 
 
 def random_calib_inputs(n: int = 8, seq_len: int = 24, vocab: int = 1000, seed: int = 1):

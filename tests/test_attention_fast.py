@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgebuild.ops.attention import paged_attention
+from edgebuild.ops.attention import AttentionSpec, paged_attention
 from edgebuild.ops.attention_fast import DensePlan, paged_attention_planned
 from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
 
@@ -65,10 +65,11 @@ def test_planned_attention_equals_reference(
     )  # fmt: skip
     plan = DensePlan.build(table, past_t, len_t, qkv.shape[1], PAGE, causal, write_kv)
     fast_cache = cache.clone()
-    out = paged_attention_planned(
-        qkv, fast_cache, plan, positions, table_cs, qn, kn, num_q_heads=hq,
-        num_kv_heads=hkv, head_dim=D, sliding_window=window, scale=D**-0.5,
+    spec = AttentionSpec(
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, causal=causal, write_kv=write_kv,
+        sliding_window=window, scale=D**-0.5,
     )  # fmt: skip
+    out = paged_attention_planned(qkv, fast_cache, plan, positions, table_cs, qn, kn, spec)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_cache, ref_cache, atol=1e-6, rtol=0)
     if not write_kv:

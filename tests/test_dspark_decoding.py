@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from dspark_fixtures import make_random_draft
+from tiny_checkpoints import write_tiny_llama
 
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import ConfigError, PairingError
@@ -37,23 +38,8 @@ transformers = pytest.importorskip("transformers")
 
 # ---------------------------------------------------------------------- fixtures
 def write_tiny_target(path, vocab=96, layers=4, seed=0, sharpen=20.0):
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharper logits: greedy continuations are less degenerate
-        model.model.embed_tokens.weight.mul_(sharpen)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    """The tiny tied Llama target of these tests (tests/tiny_checkpoints.py)."""
+    return write_tiny_llama(path, vocab, layers, seed, sharpen)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from dspark_fixtures import make_random_draft
+from tiny_checkpoints import write_tiny_llama
 
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.runtime.dspark_loader import prepare_torch_draft as prepare_draft
@@ -34,20 +35,8 @@ transformers = pytest.importorskip("transformers")
 
 
 def _tiny_target(path: Path) -> Path:
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
+    """The DSpark tests' tiny tied Llama target, unsharpened (tests/tiny_checkpoints.py)."""
+    return write_tiny_llama(path, sharpen=1.0)
 
 
 def test_training_forward_matches_the_paged_runtime_forward(tmp_path):

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from edgebuild.errors import ConfigError, MissingDependencyError
-from edgebuild.ops.attention import paged_attention
+from edgebuild.ops.attention import ATTRIBUTES, AttentionSpec, paged_attention
 
 CONTRACT_PATH = Path(__file__).resolve().parents[2] / "plugins" / "contract.json"
 
@@ -256,6 +256,16 @@ def register_onnx_schema(c: PluginContract | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------- functional twin
+def _spec_of(arguments: dict[str, Any]) -> AttentionSpec:
+    """The AttentionSpec of an op-schema function's arguments (its ``locals()``).
+
+    The functional twin (a ``torch.library`` op: its schema comes from its signature) and the
+    ONNX translations (their ONNX attributes bind by parameter name) must spell out the op's
+    attributes as parameters; inside, they carry them as one record.
+    """
+    return AttentionSpec.from_attributes({name: arguments[name] for name in ATTRIBUTES})
+
+
 @torch.library.custom_op("edgebuild_export::paged_attention", mutates_args=())
 def functional_paged_attention(
     qkv: Tensor,
@@ -287,6 +297,9 @@ def functional_paged_attention(
     ``kv_cache`` with this call's writes. ``page_size <= 0`` means ``kv_cache.shape[3]`` (the
     portable export's dynamic dense capacity).
     """
+    spec = _spec_of(locals())
+    if page_size <= 0:
+        spec = spec.replace(page_size=kv_cache.shape[3])
     present = kv_cache.clone()
     out = paged_attention(
         qkv,
@@ -299,16 +312,7 @@ def functional_paged_attention(
         q_norm_weight,
         k_norm_weight,
         tree_mask,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rotary_dim=rotary_dim,
-        causal=causal,
-        write_kv=write_kv,
-        sliding_window=sliding_window,
-        scale=scale,
-        rms_norm_eps=rms_norm_eps,
-        page_size=page_size if page_size > 0 else kv_cache.shape[3],
+        **spec.attributes(),
     )
     return out, present
 
@@ -409,18 +413,7 @@ def plugin_attention(
     qk_norm = q_norm_weight is not None
     fp8 = kv_cache.dtype is not None and "FLOAT8" in str(kv_cache.dtype)
     attrs = c.node_attribute_values(
-        {
-            "num_q_heads": num_q_heads,
-            "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim,
-            "rotary_dim": rotary_dim,
-            "causal": causal,
-            "write_kv": write_kv,
-            "sliding_window": sliding_window,
-            "scale": scale,
-            "rms_norm_eps": rms_norm_eps,
-            "page_size": page_size,
-        },
+        _spec_of(locals()).attributes(),
         qk_norm=qk_norm,
         tree_mask=False,
         fp8_cache=fp8,

@@ -1,4 +1,5 @@
-"""Pieces shared by the model definitions: the paged-batch metadata and weight loading helpers.
+"""Pieces shared by the model definitions: the paged-batch metadata, the attention call, the
+pre-norm decoder block and its SwiGLU MLP (the target's and the draft's), weight helpers.
 
 Models never import the runtime: the runtime builds a :class:`PagedBatch` and passes per-layer
 KV pools in; models call :mod:`edgebuild.ops` for attention, RoPE and norms.
@@ -9,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from edgebuild.checkpoint.quant import QuantizedWeight
 from edgebuild.checkpoint.shapes import check_shape, layer_linear_shapes  # noqa: F401 (re-export)
+from edgebuild.ops.attention import AttentionSpec
+from edgebuild.ops.linear import PackedLinear, use_packed
 
 
 @dataclass
@@ -72,24 +76,19 @@ class PagedBatch:
 
 
 def attention(
-    qkv: torch.Tensor,  # [B, S, (Hq + 2*Hkv) * D]
+    qkv: torch.Tensor,  # [B, S, (Hq + 2*Hkv) * D], or [1, N, ...] unpadded (batch.flat_valid)
     kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D]
     batch: PagedBatch,
     rope_table: torch.Tensor,  # fp32 [max_position, rotary_dim]
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
-    *,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    causal: bool,
-    write_kv: bool,
-    sliding_window: int = 0,
-    scale: float,
-    rms_norm_eps: float = 1e-6,
+    spec: AttentionSpec,
     want_output: bool = True,
 ) -> torch.Tensor | None:
     """Attention of the contract in :mod:`edgebuild.ops.attention`, run the fast way.
+
+    `spec`: the call's settings (:class:`~edgebuild.ops.attention.AttentionSpec`; its
+    rotary_dim / page_size come from `rope_table` / `kv_cache` when unset).
 
     Under torch.export / compile the custom op `edgebuild::paged_attention` is emitted (it
     becomes the plugin node); eagerly the vectorized DensePlan path runs (same results,
@@ -109,16 +108,7 @@ def attention(
             q_norm_weight,
             k_norm_weight,
             None,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rotary_dim=rope_table.shape[1],
-            causal=causal,
-            write_kv=write_kv,
-            sliding_window=sliding_window,
-            scale=scale,
-            rms_norm_eps=rms_norm_eps,
-            page_size=kv_cache.shape[3],
+            **spec.bind(rope_table, kv_cache).attributes(),
         )
     from edgebuild.ops.attention_fast import paged_attention_planned
 
@@ -127,23 +117,11 @@ def attention(
         padded = qkv.new_zeros(*valid.shape, qkv.shape[-1])
         padded[valid] = qkv[0]
         qkv = padded
-    plan = batch.plan(qkv.shape[1], kv_cache.shape[3], causal, write_kv)
+    plan = batch.plan(qkv.shape[1], kv_cache.shape[3], spec.causal, spec.write_kv)
     out = paged_attention_planned(
-        qkv,
-        kv_cache,
-        plan,
-        batch.positions,
-        rope_table,
-        q_norm_weight,
-        k_norm_weight,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        sliding_window=sliding_window,
-        scale=scale,
-        rms_norm_eps=rms_norm_eps,
-        want_output=want_output,
-    )
+        qkv, kv_cache, plan, batch.positions, rope_table, q_norm_weight, k_norm_weight, spec,
+        want_output,
+    )  # fmt: skip
     if valid is not None and out is not None:
         out = out[valid].unsqueeze(0)
     return out
@@ -168,3 +146,68 @@ def dense(value: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Te
     if isinstance(value, QuantizedWeight):
         return value.dequantize(dtype)
     return value.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` (HF ``LlamaMLP`` / ``Qwen3MLP`` names:
+    ``gate_proj``, ``up_proj``, ``down_proj``), shared by the target and the DSpark draft.
+
+    Args:
+        hidden: model width d; intermediate: MLP width; bias: linears with biases.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
+        self.packed_down: PackedLinear | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., d]
+        if use_packed(self.packed_gate_up):
+            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
+            return self.packed_down(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def pack_for_cpu(self, quant: str | None = None) -> None:
+        """Fuse gate/up and pack them and down_proj for eager CPU inference (ops/linear.py)."""
+        self.packed_gate_up = PackedLinear([self.gate_proj, self.up_proj], quant)
+        self.packed_down = PackedLinear([self.down_proj], quant)
+
+
+class PreNormDecoderLayer(nn.Module):
+    """The pre-norm residual decoder block of the target and the DSpark draft:
+    ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``
+    (HF ``LlamaDecoderLayer`` / ``Qwen3DecoderLayer`` names).
+
+    What the rows attend to is the attention module's: the target's causal self-attention
+    over its own cache, the draft's non-causal block attention over the cached context K/V
+    (which its ``write_context`` stores). Both take ``(x, kv_cache, batch, rope_table)``.
+
+    Args:
+        self_attn: the attention module (with ``pack_for_cpu``); mlp: the MLP (same);
+        hidden: model width d; eps: the two norms' epsilon.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden: int, eps: float):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, d]
+        kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D]
+        batch: PagedBatch,
+        rope_table: torch.Tensor,  # fp32 [max_position, rotary_dim]
+    ) -> torch.Tensor:  # [B, S, d]
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch, rope_table)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def pack_for_cpu(self, quant: str | None = None) -> None:
+        """Pack the attention's and the MLP's linears for eager CPU inference."""
+        self.self_attn.pack_for_cpu(quant)
+        self.mlp.pack_for_cpu(quant)

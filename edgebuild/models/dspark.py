@@ -54,11 +54,14 @@ from edgebuild.checkpoint.quant import QuantizedWeight
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import ConfigError
 from edgebuild.models.common import (
+    GatedMLP,
     PagedBatch,
+    PreNormDecoderLayer,
     RMSNorm,
     attention,
     dense,
 )
+from edgebuild.ops.attention import AttentionSpec
 from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.rope import rope_cos_sin_table
 
@@ -203,6 +206,17 @@ class DSparkAttention(nn.Module):
         self.o_proj = nn.Linear(hq * hd, d, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        # the context update: causal, writes K/V; the block pass: non-causal, writes nothing
+        self.context_spec = AttentionSpec(
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=hd,
+            causal=True,
+            write_kv=True,
+            scale=hd**-0.5,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
+        self.block_spec = self.context_spec.replace(causal=False, write_kv=False)
         self.packed_qkv: PackedLinear | None = None  # set by pack_for_cpu
         self.packed_kv: PackedLinear | None = None
         self.packed_o: PackedLinear | None = None
@@ -212,25 +226,6 @@ class DSparkAttention(nn.Module):
         self.packed_qkv = PackedLinear([self.q_proj, self.k_proj, self.v_proj], quant)
         self.packed_kv = PackedLinear([self.k_proj, self.v_proj], quant)
         self.packed_o = PackedLinear([self.o_proj], quant)
-
-    def _attend(self, qkv, kv_cache, batch, rope_table, *, causal, write_kv, q_norm, want=True):
-        cfg = self.cfg
-        return attention(
-            qkv,
-            kv_cache,
-            batch,
-            rope_table,
-            q_norm,
-            self.k_norm.weight,
-            num_q_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            causal=causal,
-            write_kv=write_kv,
-            scale=cfg.head_dim**-0.5,
-            rms_norm_eps=cfg.rms_norm_eps,
-            want_output=want,
-        )
 
     def write_context(
         self,
@@ -245,8 +240,8 @@ class DSparkAttention(nn.Module):
             qkv = torch.cat([q, self.packed_kv(context)], dim=-1)
         else:
             qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
-        self._attend(
-            qkv, kv_cache, batch, rope_table, causal=True, write_kv=True, q_norm=None, want=False
+        attention(
+            qkv, kv_cache, batch, rope_table, None, self.k_norm.weight, self.context_spec, False
         )
 
     def forward(
@@ -261,56 +256,31 @@ class DSparkAttention(nn.Module):
             qkv = self.packed_qkv(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        out = self._attend(
+        out = attention(
             qkv,
             kv_cache,
             batch,
             rope_table,
-            causal=False,
-            write_kv=False,
-            q_norm=self.q_norm.weight,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.block_spec,
         )
         return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
 
 
-class DSparkMLP(nn.Module):
+class DSparkMLP(GatedMLP):
     """SwiGLU MLP without biases: ``down(silu(gate(x)) * up(x))`` (Qwen3MLP names)."""
 
     def __init__(self, cfg: DSparkConfig):
-        super().__init__()
-        d, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, i, bias=False)
-        self.up_proj = nn.Linear(d, i, bias=False)
-        self.down_proj = nn.Linear(i, d, bias=False)
-        self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
-        self.packed_down: PackedLinear | None = None
-
-    def pack_for_cpu(self, quant: str | None = None) -> None:
-        """Fused gate/up and down_proj packed for eager CPU inference."""
-        self.packed_gate_up = PackedLinear([self.gate_proj, self.up_proj], quant)
-        self.packed_down = PackedLinear([self.down_proj], quant)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_packed(self.packed_gate_up):
-            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
-            return self.packed_down(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=False)
 
 
-class DSparkDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer whose attention also reads the cached context K/V (spec §2.4)."""
+class DSparkDecoderLayer(PreNormDecoderLayer):
+    """Pre-norm Qwen3 layer whose attention also reads the cached context K/V (spec §2.4):
+    ``[B, Bs, d]`` block rows -> ``[B, Bs, d]``; args as :meth:`DSparkAttention.forward`."""
 
     def __init__(self, cfg: DSparkConfig):
-        super().__init__()
-        self.self_attn = DSparkAttention(cfg)
-        self.mlp = DSparkMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, kv_cache, batch, rope_table):
-        """``[B, Bs, d]`` block rows -> ``[B, Bs, d]``; args as :meth:`DSparkAttention.forward`."""
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch, rope_table)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(DSparkAttention(cfg), DSparkMLP(cfg), cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DSparkDraft(nn.Module):
@@ -355,8 +325,7 @@ class DSparkDraft(nn.Module):
         ``state_dict`` unchanged, eager forwards only, one extra copy in memory. Returns self.
         """
         for layer in self.layers:
-            layer.self_attn.pack_for_cpu(quant)
-            layer.mlp.pack_for_cpu(quant)
+            layer.pack_for_cpu(quant)
         self.packed_lm_head = PackedLinear([self.lm_head], quant)
         return self
 

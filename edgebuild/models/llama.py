@@ -14,7 +14,6 @@ import dataclasses
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgebuild.checkpoint.config import ModelConfig
@@ -22,7 +21,9 @@ from edgebuild.checkpoint.quant import QuantizedWeight, quant_tensor_suffixes
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError
 from edgebuild.models.common import (
+    GatedMLP,
     PagedBatch,
+    PreNormDecoderLayer,
     RMSNorm,
     attention,
     check_shape,
@@ -30,6 +31,7 @@ from edgebuild.models.common import (
     layer_linear_shapes,
 )
 from edgebuild.models.vision import VISION_PREFIX
+from edgebuild.ops.attention import AttentionSpec
 from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.mrope import mrope_cos_sin_rows
 from edgebuild.ops.rope import rope_cos_sin_table
@@ -58,6 +60,16 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.window = cfg.window_for_layer(layer_idx)
         self.rotary_dim = int(hd * cfg.rope.partial_rotary_factor)
+        self.spec = AttentionSpec(  # causal self-attention that writes its rows' K/V
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=hd,
+            causal=True,
+            write_kv=True,
+            scale=hd**-0.5,
+            sliding_window=self.window,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
         self.packed_qkv: PackedLinear | None = None  # set by LlamaForCausalLM.pack_for_cpu
         self.packed_o: PackedLinear | None = None
 
@@ -80,14 +92,7 @@ class LlamaAttention(nn.Module):
             rope_table,
             self.q_norm.weight if cfg.qk_norm else None,
             self.k_norm.weight if cfg.qk_norm else None,
-            num_q_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            causal=True,
-            write_kv=True,
-            sliding_window=self.window,
-            scale=cfg.head_dim**-0.5,
-            rms_norm_eps=cfg.rms_norm_eps,
+            self.spec,
         )
         return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
 
@@ -97,43 +102,20 @@ class LlamaAttention(nn.Module):
         self.packed_o = PackedLinear([self.o_proj], quant)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+class LlamaMLP(GatedMLP):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (biases as ``mlp_bias``)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, i, bias=b)
-        self.up_proj = nn.Linear(d, i, bias=b)
-        self.down_proj = nn.Linear(i, d, bias=b)
-        self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
-        self.packed_down: PackedLinear | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_packed(self.packed_gate_up):
-            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
-            return self.packed_down(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def pack_for_cpu(self, quant: str | None = None) -> None:
-        """Fuse gate/up and pack them and down_proj for eager CPU inference."""
-        self.packed_gate_up = PackedLinear([self.gate_proj, self.up_proj], quant)
-        self.packed_down = PackedLinear([self.down_proj], quant)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder layer (HF `LlamaDecoderLayer` names)."""
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """Pre-norm decoder layer (HF `LlamaDecoderLayer` names): causal self-attention + MLP."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, kv_cache, batch, rope_table):
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch, rope_table)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(
+            LlamaAttention(cfg, layer_idx), LlamaMLP(cfg), cfg.hidden_size, cfg.rms_norm_eps
+        )
 
 
 class LlamaModel(nn.Module):
@@ -170,8 +152,7 @@ class LlamaForCausalLM(nn.Module):
         (:class:`edgebuild.ops.linear.PackedLinear`), opt-in. Returns self.
         """
         for layer in self.model.layers:
-            layer.self_attn.pack_for_cpu(quant)
-            layer.mlp.pack_for_cpu(quant)
+            layer.pack_for_cpu(quant)
         self.packed_lm_head = PackedLinear([self.lm_head], quant)
         return self
 

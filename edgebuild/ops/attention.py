@@ -94,6 +94,10 @@ draft-checkpoint-formats.md section 2: non-causal block, context K/V stored post
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -101,7 +105,88 @@ from edgebuild.errors import ConfigError
 from edgebuild.ops.norm import rms_norm
 from edgebuild.ops.rope import apply_rope
 
-__all__ = ["gather_kv", "paged_attention"]
+__all__ = ["ATTRIBUTES", "AttentionSpec", "gather_kv", "paged_attention"]
+
+# The op's keyword attributes, in its schema's order: also the plugin node's ONNX attributes
+# (spec/attention-plugin.md, plugins/contract.json). A contract: never renamed here alone.
+ATTRIBUTES = (
+    "num_q_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rotary_dim",
+    "causal",
+    "write_kv",
+    "sliding_window",
+    "scale",
+    "rms_norm_eps",
+    "page_size",
+)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The settings of one attention call, said once: the op's keyword attributes
+    (:data:`ATTRIBUTES`) as one frozen record.
+
+    A model builds its record once (heads, head size, mask, cache write, scale, window, norm
+    eps) and passes it to :func:`edgebuild.models.common.attention`; the export path turns it
+    into the op's keywords (:meth:`attributes`) and the plugin translation reads the node's
+    ONNX attributes back into one (:meth:`from_attributes`).
+
+    rotary_dim / page_size: None until bound to a call's RoPE table (``[max_position,
+        rotary_dim]``) and KV cache (``[num_pages, 2, Hkv, page_size, D]``) by :meth:`bind`.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool
+    write_kv: bool
+    scale: float
+    sliding_window: int = 0
+    rms_norm_eps: float = 1e-6
+    rotary_dim: int | None = None
+    page_size: int | None = None
+
+    def replace(self, **changes) -> AttentionSpec:
+        """A copy with ``changes`` (e.g. ``causal=False, write_kv=False``)."""
+        return dataclasses.replace(self, **changes)
+
+    def bind(self, rope_cos_sin: Tensor, kv_cache: Tensor) -> AttentionSpec:
+        """This record with rotary_dim / page_size taken from the call's tensors where unset
+        (``rope_cos_sin.shape[1]``, ``kv_cache.shape[3]``; symbolic sizes under export)."""
+        rotary = self.rotary_dim if self.rotary_dim is not None else rope_cos_sin.shape[1]
+        page = self.page_size if self.page_size is not None else kv_cache.shape[3]
+        return dataclasses.replace(self, rotary_dim=rotary, page_size=page)
+
+    def attributes(self) -> dict[str, int | float | bool]:
+        """The op's keyword attributes ``{name: value}`` in :data:`ATTRIBUTES` order.
+
+        Raises:
+            ValueError: rotary_dim or page_size unset (call :meth:`bind` first).
+        """
+        if self.rotary_dim is None or self.page_size is None:
+            raise ValueError(
+                "AttentionSpec.attributes: rotary_dim and page_size are unset; bind() the "
+                "record to the call's RoPE table and KV cache first"
+            )
+        return {name: getattr(self, name) for name in ATTRIBUTES}
+
+    @classmethod
+    def from_attributes(cls, attributes: Mapping[str, int | float | bool]) -> AttentionSpec:
+        """The record of the op's keyword attributes (every name of :data:`ATTRIBUTES`).
+
+        Raises:
+            ValueError: a missing or unknown attribute name (both listed).
+        """
+        missing = [n for n in ATTRIBUTES if n not in attributes]
+        unknown = sorted(set(attributes) - set(ATTRIBUTES))
+        if missing or unknown:
+            raise ValueError(
+                f"AttentionSpec.from_attributes: missing {missing}, unknown {unknown}; "
+                f"the attributes are {list(ATTRIBUTES)}"
+            )
+        return cls(**{n: attributes[n] for n in ATTRIBUTES})
 
 
 def gather_kv(kv_cache: Tensor, page_table: Tensor, b: int, length: int) -> tuple[Tensor, Tensor]:

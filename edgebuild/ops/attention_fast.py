@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edgebuild.ops.attention import AttentionSpec
 from edgebuild.ops.norm import rms_norm
 from edgebuild.ops.rope import apply_rope, check_positions, rotate_with
 
@@ -178,22 +179,20 @@ def paged_attention_planned(
     rope_cos_sin: Tensor,  # fp32 [max_position, rotary_dim]
     q_norm_weight: Tensor | None,
     k_norm_weight: Tensor | None,
-    *,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    sliding_window: int = 0,
-    scale: float,
-    rms_norm_eps: float = 1e-6,
+    spec: AttentionSpec,
     want_output: bool = True,
 ) -> Tensor | None:
     """The attention contract, vectorized over the batch (see module docstring).
+
+    `spec`: the call's settings (heads, head size, window, scale, norm eps; its causal /
+    write_kv are the plan's, and rotary_dim is the RoPE table's width).
 
     Returns attn_out [B, S, Hq * D] in qkv.dtype (padding rows zero), or None when
     `want_output` is False (a draft context update only writes the cache).
     """
     bsz, rows, _ = qkv.shape
-    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+    sliding_window, scale, rms_norm_eps = spec.sliding_window, spec.scale, spec.rms_norm_eps
     heads = qkv.view(bsz, rows, hq + 2 * hkv, d)
     if plan.row_invariant and want_output:
         return _decode_step(

@@ -20,9 +20,6 @@ from edgebuild.checkpoint.generation import read_generation_defaults
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError, ConfigError, RequestError
 from edgebuild.models.image_processing import ImageInput
-from edgebuild.models.llama import LlamaForCausalLM
-from edgebuild.ops.linear import QUANT_MODES
-from edgebuild.runtime.cpu import describe_cpu, resolve_dtype
 from edgebuild.runtime.decoding import (
     RequestState,
     TargetOnlyDecoder,
@@ -30,14 +27,13 @@ from edgebuild.runtime.decoding import (
 )
 from edgebuild.runtime.multimodal import (
     ImageInputError,
-    VisionEncoder,
     count_image_parts,
     template_messages,
 )
 from edgebuild.runtime.prefill import PrefillConfig
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.stopping import IncrementalDetokenizer
-from edgebuild.runtime.torch_backend import DEFAULT_PAGE_SIZE, TorchTarget
+from edgebuild.runtime.torch_backend import DEFAULT_PAGE_SIZE, open_torch_runtime
 from edgebuild.speculative.config import SpeculativeConfig
 
 log = logging.getLogger("edgebuild.runtime")
@@ -107,8 +103,23 @@ class RuntimeOptions:
         return min(self.max_seq_rows, self.max_kv_rows)
 
 
+def open_runtime(backend: str, resolved, spec, options: RuntimeOptions, source: WeightSource):
+    """The loaded backends for `backend` (a runtime record: target, draft, config, vision,
+    target_model, ``runtime_options()``, ``decoder(spec)``).
+
+    ``tensorrt``: the bundle's engines (:func:`edgebuild.runtime.trt_backend.open_trt_runtime`;
+    no torch weights are loaded, limits come from the bundle); anything else: the torch CPU
+    backend over the source checkpoints (:func:`open_torch_runtime`).
+    """
+    if backend == "tensorrt":
+        from edgebuild.runtime.trt_backend import open_trt_runtime
+
+        return open_trt_runtime(resolved, spec, source=source)
+    return open_torch_runtime(resolved, spec, options, source)
+
+
 class LLM:
-    """Target (+ optional DSpark draft) on the torch CPU backend.
+    """Target (+ optional DSpark draft) on the torch CPU backend or a bundle's engines.
 
     Args:
         model: target checkpoint directory, or a bundle (``manifest.json``): verified, then
@@ -145,65 +156,32 @@ class LLM:
         # default stop ids and sampling settings (HF semantics: generation_config.json first)
         self.generation = read_generation_defaults(self.model_dir, self.source.config)
         self.backend = backend
-        if backend == "tensorrt":  # the bundle's engines; no torch weights are loaded
-            from edgebuild.runtime.trt_backend import open_trt_runtime
-
-            rt = open_trt_runtime(resolved, spec, source=self.source)  # opened once
-            self.options, self.config = rt.runtime_options(self.options), rt.config
-            self.target_model, self.vision = None, rt.vision  # vision: the visual engine
-            self.target, self.draft = rt.target, rt.draft
-            self.decoder = rt.decoder(spec, self.options.prefill_config())
-            self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
-            if spec is not None and spec.confidence_scheduling:
-                self.enable_confidence_scheduling(1)
-            return
-        self.options.dtype = resolve_dtype(self.options.dtype)
-        if self.options.quant not in (None, *QUANT_MODES):
-            raise ConfigError(
-                f"--quant {self.options.quant!r} is not supported; choose one of {QUANT_MODES}"
-            )
-        log.info(
-            "torch CPU runtime: compute dtype %s, weights %s, %d intra-op threads (%s)",
-            str(self.options.dtype).removeprefix("torch."),
-            self.options.quant or "as in the checkpoint",
-            torch.get_num_threads(),
-            describe_cpu(),
-        )
-        draft_loader = None
-        if spec is not None:  # validate the pair before loading the (large) target
-            from edgebuild.speculative.registry import get_method
-
-            method = get_method(spec.method)  # the method's record: loader and decoder
-            draft_loader = method.resolve("torch_loader")(spec, self.source)  # one DraftPlan
-        self.target_model = LlamaForCausalLM.from_source(self.source, self.options.dtype)
-        self.config = self.target_model.config
-        self.vision: VisionEncoder | None = None
-        if self.config.vision_config is not None:  # a VLM checkpoint: visual.* + processor
-            self.vision = VisionEncoder.from_source(
-                self.source, self.model_dir, self.options.dtype, self.options.max_images
-            )
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.target = TorchTarget(
-            self.target_model,
-            self.options.max_kv_rows,
-            self.options.page_size,
-            quant=self.options.quant,
-        )
-        if draft_loader is not None:
-            self.draft = draft_loader(self.options)
-            self.decoder = method.resolve("decoder")(
-                self.target,
-                self.draft,
-                spec.num_speculative_tokens,
-                spec.confidence_threshold,
-                prefill=self.options.prefill_config(),
-            )
-        else:
-            self.draft = None
-            self.decoder = TargetOnlyDecoder(self.target, self.options.prefill_config())
-        self._ids = itertools.count()
+        rt = open_runtime(backend, resolved, spec, self.options, self.source)  # opened once
+        self.options, self.config = rt.runtime_options(self.options), rt.config
+        self.target_model, self.vision = rt.target_model, rt.vision  # torch: None on TensorRT
+        self.target, self.draft = rt.target, rt.draft
+        self.decoder = rt.decoder(spec, self.options.prefill_config())
+        self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
         if spec is not None and spec.confidence_scheduling:
             self.enable_confidence_scheduling(1)
+
+    def without_draft(self) -> LLM:
+        """A target-only LLM over this one's loaded target: the same target backend (weights
+        and KV pool), tokenizer, vision encoder, options and request-id counter, with no draft
+        and a :class:`TargetOnlyDecoder`. ``edgebuild run --compare`` times it against the
+        speculative one; this LLM is left as it was.
+
+        Requests of the two share the target's KV pool, so run them one after the other.
+        """
+        base = LLM.__new__(LLM)
+        base.bundle, base.model_dir, base.backend = self.bundle, self.model_dir, self.backend
+        base.options, base.source, base.generation = self.options, self.source, self.generation
+        base.speculative = None
+        base.target_model, base.config, base.vision = self.target_model, self.config, self.vision
+        base.tokenizer, base._ids = self.tokenizer, self._ids
+        base.target, base.draft = self.target, None
+        base.decoder = TargetOnlyDecoder(self.target, self.decoder.prefill_config)
+        return base
 
     def enable_confidence_scheduling(self, max_batch: int, repeats: int = 2):
         """Profile this backend's step costs up to `max_batch` requests and turn on

@@ -1,19 +1,28 @@
 """The torch (CPU) backend: runs the checkpoint's models eagerly over paged KV pools.
 
 This is the embedded default wherever TensorRT or a GPU is missing, and the reference the
-TensorRT backend is checked against.
+TensorRT backend is checked against. :func:`open_torch_runtime` loads it (target, optional
+draft, vision tower) as :func:`edgebuild.runtime.trt_backend.open_trt_runtime` loads engines:
+both return a runtime record with the same fields and methods, which
+:class:`~edgebuild.runtime.llm.LLM` takes as it comes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 
+from edgebuild.errors import ConfigError
 from edgebuild.models.common import PagedBatch
 from edgebuild.models.llama import LlamaForCausalLM
-from edgebuild.runtime.backend import MultimodalPrefill, TargetStep
+from edgebuild.ops.linear import QUANT_MODES
+from edgebuild.runtime.backend import DraftBackend, MultimodalPrefill, TargetStep
+from edgebuild.runtime.cpu import describe_cpu, resolve_dtype
 from edgebuild.runtime.kv_cache import PageAllocator, Sequence, allocate_pools
+from edgebuild.runtime.multimodal import VisionEncoder
 
 log = logging.getLogger("edgebuild.runtime")
 
@@ -162,3 +171,89 @@ class TorchTarget:
 
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq)
+
+
+# ----------------------------------------------------------------------------- loading
+@dataclass
+class TorchRuntime:
+    """The loaded torch backends of a checkpoint (the torch side of
+    :class:`edgebuild.runtime.trt_backend.TrtRuntime`: the same fields and methods).
+
+    target_model: the target :class:`LlamaForCausalLM` the target backend runs.
+    options: the RuntimeOptions the models were loaded with (compute dtype resolved).
+    vision: the vision tower + image processor (vision-language targets), else None.
+    """
+
+    target: TorchTarget
+    draft: DraftBackend | None
+    config: object  # the target's ModelConfig
+    options: object  # RuntimeOptions
+    target_model: LlamaForCausalLM
+    vision: VisionEncoder | None = None
+
+    def runtime_options(self, options):
+        """The options the models were loaded with: on the CPU the caller's limits hold as
+        given (``options`` is what was passed to :func:`open_torch_runtime`)."""
+        return self.options
+
+    def decoder(self, spec, prefill=None):
+        """The decoder over these backends: the speculative method's (the registry's
+        ``decoder``) with a draft, else :class:`TargetOnlyDecoder` (`prefill`: a resolved
+        PrefillConfig; the prefix cache lives in the target's page allocator)."""
+        from edgebuild.runtime.decoding import TargetOnlyDecoder
+        from edgebuild.speculative.registry import get_method
+
+        if self.draft is None:
+            return TargetOnlyDecoder(self.target, prefill)
+        return get_method(spec.method).resolve("decoder")(
+            self.target,
+            self.draft,
+            spec.num_speculative_tokens,
+            spec.confidence_threshold,
+            prefill=prefill,
+        )
+
+
+def open_torch_runtime(resolved, spec, options, source) -> TorchRuntime:
+    """Load a checkpoint's models on the CPU (``resolved``: :func:`resolve_model_path`'s
+    result; its target checkpoint is run, a bundle's source checkpoints included).
+
+    Args:
+        resolved: the resolved model (``target``: the target checkpoint directory).
+        spec: a parsed SpeculativeConfig, or None (target-only).
+        options: RuntimeOptions (``dtype`` None: the CPU's default compute dtype).
+        source: the target checkpoint's opened WeightSource (not re-read).
+
+    The draft is validated against the target (the registry's ``torch_loader``: one
+    DraftPlan) before the (large) target is loaded, and loaded after it.
+
+    Raises:
+        ConfigError: an unsupported ``options.quant``.
+        PairingError / CheckpointError / ConfigError: a draft that does not fit the target.
+    """
+    from edgebuild.speculative.registry import get_method
+
+    options = dataclasses.replace(options, dtype=resolve_dtype(options.dtype))
+    if options.quant not in (None, *QUANT_MODES):
+        raise ConfigError(
+            f"--quant {options.quant!r} is not supported; choose one of {QUANT_MODES}"
+        )
+    log.info(
+        "torch CPU runtime: compute dtype %s, weights %s, %d intra-op threads (%s)",
+        str(options.dtype).removeprefix("torch."),
+        options.quant or "as in the checkpoint",
+        torch.get_num_threads(),
+        describe_cpu(),
+    )
+    draft_loader = None
+    if spec is not None:  # validate the pair before loading the (large) target
+        draft_loader = get_method(spec.method).resolve("torch_loader")(spec, source)
+    model = LlamaForCausalLM.from_source(source, options.dtype)
+    vision = None
+    if model.config.vision_config is not None:  # a VLM checkpoint: visual.* + processor
+        vision = VisionEncoder.from_source(
+            source, resolved.target, options.dtype, options.max_images
+        )
+    target = TorchTarget(model, options.max_kv_rows, options.page_size, quant=options.quant)
+    draft = draft_loader(options) if draft_loader is not None else None
+    return TorchRuntime(target, draft, model.config, options, model, vision)

@@ -76,7 +76,7 @@ METHODS: dict[str, SpeculativeMethod] = {
             description="DSpark parallel block drafter with Markov and confidence heads",
             config_parser="edgebuild.checkpoint.dspark_config:DSparkConfig",
             torch_loader="edgebuild.runtime.dspark_loader:prepare_torch_draft",
-            tensorrt_loader="edgebuild.runtime.trt_backend:TrtDraft",
+            tensorrt_loader="edgebuild.runtime.trt.draft:TrtDraft",
             decoder="edgebuild.runtime.decoding:DSparkDecoder",
         ),
     )

@@ -36,18 +36,15 @@ def run_pair(target: Path, draft: Path, prompts: list[str], args) -> dict:
         spec["draft_top_k"] = args.top_k
     options = None if args.dtype is None else RuntimeOptions(dtype=getattr(torch, args.dtype))
     llm = LLM(target, speculative=spec, options=options)
-    from edgebuild.runtime.decoding import TargetOnlyDecoder
-
-    spec_decoder, base_decoder = llm.decoder, TargetOnlyDecoder(llm.target)
+    plain = llm.without_draft()  # the same target weights, no draft
     ids = [llm.encode(p, chat=True) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     out: dict = {"target": str(target), "prompts": len(prompts)}
     results = {}
-    for name, decoder in (("dspark", spec_decoder), ("target_only", base_decoder)):
-        llm.decoder = decoder
+    for name, runner in (("dspark", llm), ("target_only", plain)):
         t0, states = time.perf_counter(), []
         for i in range(0, len(ids), args.batch):
-            states += llm.generate_ids(ids[i : i + args.batch], params)
+            states += runner.generate_ids(ids[i : i + args.batch], params)
             print(f"  {target.name} {name}: {len(states)}/{len(ids)}", flush=True)
         wall = time.perf_counter() - t0
         total = states[0].metrics
@@ -55,7 +52,6 @@ def run_pair(target: Path, draft: Path, prompts: list[str], args) -> dict:
             total = total.merge(st.metrics)
         results[name] = states
         out[name] = {**total.to_dict(), "wall_s": round(wall, 1)}
-    llm.decoder = spec_decoder
     same = [
         a.output_ids == b.output_ids
         for a, b in zip(results["dspark"], results["target_only"], strict=True)
