@@ -124,6 +124,45 @@ def test_the_flags_reach_the_config_and_bad_values_name_the_flag(tiny_dir, monke
         ServeConfig(model=tiny_dir, max_num_batched_tokens=0).validate()
     with pytest.raises(ConfigError, match="--max-num-batched-tokens"):
         PrefillConfig(max_num_batched_tokens=-1).resolved(32, 4096)
+    CliRunner().invoke(cli.main, [str(tiny_dir), "--batch-wait-ms", "0"])
+    assert seen["config"].batch_wait_ms == 0.0
+    with pytest.raises(ConfigError, match="--batch-wait-ms"):
+        ServeConfig(model=tiny_dir, batch_wait_ms=-1).validate()
+
+
+def test_a_burst_arriving_while_nothing_runs_is_admitted_together(tiny_llm):
+    """--batch-wait-ms: the worker waits for the burst to stop arriving, then runs one step
+    over all of it (counted in decoder steps and prefill passes, not time)."""
+    import asyncio
+
+    from edgebuild.serve.scheduler import Scheduler
+
+    calls = []
+    real = tiny_llm.decoder.step
+
+    def step(states, *args):
+        calls.append(len(states))
+        return real(states, *args)
+
+    tiny_llm.decoder.step = step
+    sch = Scheduler(tiny_llm, max_batch_size=8, batch_wait_s=0.2)
+
+    async def burst():
+        sch.start()
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        tickets = []
+        for i in range(4):  # arrivals 20 ms apart: well inside the 200 ms quiet window
+            tickets.append(sch.submit([5 + i, 6, 7], params))
+            await asyncio.sleep(0.02)
+        for t in tickets:
+            async for _ in t.events():
+                pass
+
+    try:
+        asyncio.run(burst())
+    finally:
+        sch.close()
+    assert calls[0] == 4  # the first step saw the whole burst (without the wait: 1)
 
 
 # ---------------------------------------------------------------------- counted in steps
