@@ -29,6 +29,7 @@ taps of all its rows (the cached pages' taps first) become the draft's pending c
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -388,6 +389,7 @@ class DSparkDecoder(TargetOnlyDecoder):
         self.threshold = confidence_threshold
         self.taps = tuple(draft.target_layer_ids)
         self.scheduler = scheduler
+        self._last_rows_per_request = 1.0  # verify rows per request of the last scheduled step
         limits = getattr(draft, "limits", None)  # TensorRT: context rows one pass accepts
         self.max_pending = getattr(limits, "max_input_len", None)
 
@@ -411,27 +413,37 @@ class DSparkDecoder(TargetOnlyDecoder):
         live = [s for s in states if s.anchor is not None and not s.finished]
         waiting = [s for s in states if s.anchor is None and not s.finished]
         if waiting:
-            self.prefill(waiting, decode_rows=len(live) * (self.n + 1))
+            # the step's verify rows count against the prefill budget: n + 1 per request, or
+            # under scheduling what the last verify pass took (often 1: a plain decode)
+            per = self.n + 1 if self.scheduler is None else self._last_rows_per_request
+            self.prefill(waiting, decode_rows=math.ceil(len(live) * per))
             _report_prefilled(waiting, on_prefilled)
         if not live:
             return
         if self.scheduler is not None:
-            self._scheduled_step(live)
+            self._scheduled_step(live, prefilling=bool(waiting))
             return
         proposals = self.propose(live)
         self.verify_and_commit(live, proposals)
 
-    def _scheduled_step(self, live: list[RequestState]) -> None:
-        """A step under confidence scheduling (:mod:`edgebuild.runtime.spec_schedule`)."""
+    def _scheduled_step(self, live: list[RequestState], prefilling: bool = False) -> None:
+        """A step under confidence scheduling (:mod:`edgebuild.runtime.spec_schedule`).
+
+        ``prefilling``: prompts were prefilled in this step (more may wait): the step runs
+        no draft pass, so new requests get their first tokens one draft pass sooner.
+        """
         sch = self.scheduler
         t_step = time.perf_counter()
         budgets = [max(0, min(self.n, s.remaining - 1)) for s in live]
+        if prefilling:
+            budgets = [0] * len(live)
         plan = sch.plan([s.request_id for s in live], budgets)
         overdue = self.max_pending is not None and any(
             s.pending_features is not None and len(s.pending_features) >= self.max_pending - 1
             for s in live
         )  # a TensorRT draft takes at most max_input_len context rows in one pass
         if max(plan.lengths, default=0) == 0 and not overdue:
+            self._last_rows_per_request = 1.0
             self._decode_with_taps(live)
             sch.costs.observe([1] * len(live), 0, time.perf_counter() - t_step)
             return
@@ -444,6 +456,7 @@ class DSparkDecoder(TargetOnlyDecoder):
             draft_rows=max(counts),
         )
         proposals = [p.truncated(k) for p, k in zip(full, choice.lengths, strict=True)]
+        self._last_rows_per_request = 1.0 + sum(choice.lengths) / len(live)
         _, accepted = self.verify_and_commit(live, proposals)
         sch.costs.observe(
             [1 + len(p) for p in proposals], max(counts), time.perf_counter() - t_step
