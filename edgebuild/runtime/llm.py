@@ -162,8 +162,10 @@ class LLM:
         self.target, self.draft = rt.target, rt.draft
         self.decoder = rt.decoder(spec, self.options.prefill_config())
         self.tokenizer, self._ids = load_tokenizer(self.model_dir), itertools.count()
-        if spec is not None and spec.confidence_scheduling:
-            self.enable_confidence_scheduling(1)
+        # confidence scheduling profiles its step costs once, for the batch it will see: the
+        # server calls enable_confidence_scheduling(--max-batch-size) at start-up, and
+        # generate_ids profiles on first use for its own batch
+        self._schedule_pending = spec is not None and spec.confidence_scheduling
 
     def without_draft(self) -> LLM:
         """A target-only LLM over this one's loaded target: the same target backend (weights
@@ -195,6 +197,8 @@ class LLM:
             ConfigError: no draft is loaded.
         """
         from edgebuild.runtime.spec_schedule import ConfidenceScheduler, profile_step_costs
+
+        self._schedule_pending = False
 
         if self.draft is None or not hasattr(self.decoder, "scheduler"):
             raise ConfigError("confidence scheduling needs a speculative draft")
@@ -471,6 +475,8 @@ class LLM:
 
         `images[i]`: the preprocessed images of prompt i (None / [] for text prompts).
         """
+        if getattr(self, "_schedule_pending", False):
+            self.enable_confidence_scheduling(len(prompts))
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ilist = images if images is not None else [None] * len(prompts)
         states = [
