@@ -342,11 +342,17 @@ class TargetOnlyDecoder:
         if waiting:
             self.prefill(waiting, decode_rows=len(live))
             _report_prefilled(waiting, on_prefilled)
-        if not live:
-            return
+        if live:
+            self._decode_pass(live)
+
+    def _decode_pass(self, live: list[RequestState], tap_layers: tuple[int, ...] = ()):
+        """One target pass over each request's anchor: commit the next token of each.
+
+        Returns the pass's TargetStep (taps [1, n_t * d] per request when asked for).
+        """
         t0 = time.perf_counter()
         rows = [torch.tensor([s.anchor], dtype=torch.int64) for s in live]
-        out = self.target.forward([s.seq for s in live], rows, [[0]] * len(live))
+        out = self.target.forward([s.seq for s in live], rows, [[0]] * len(live), tap_layers)
         dt = time.perf_counter() - t0
         tokens = next_tokens([lg[0] for lg in out.logits], [s.params for s in live], live)
         for st, token in zip(live, tokens, strict=True):
@@ -354,6 +360,7 @@ class TargetOnlyDecoder:
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=0, accepted=0)
             self._commit(st, [token])
+        return out
 
 
 class DSparkDecoder(TargetOnlyDecoder):
@@ -466,17 +473,9 @@ class DSparkDecoder(TargetOnlyDecoder):
 
     def _decode_with_taps(self, live: list[RequestState]) -> None:
         """A plain decode pass (no draft pass this step); its taps join the pending context."""
-        t0 = time.perf_counter()
-        rows = [torch.tensor([s.anchor], dtype=torch.int64) for s in live]
-        out = self.target.forward([s.seq for s in live], rows, [[0]] * len(live), self.taps)
-        dt = time.perf_counter() - t0
-        tokens = next_tokens([lg[0] for lg in out.logits], [s.params for s in live], live)
-        for b, (st, token) in enumerate(zip(live, tokens, strict=True)):
+        out = self._decode_pass(live, self.taps)
+        for b, st in enumerate(live):
             _append_pending(st, out.taps[b][:1])
-            st.anchor = token
-            st.metrics.verify_s += dt / len(live)
-            st.metrics.record_step(proposed=0, accepted=0)
-            self._commit(st, [token])
 
     def propose(self, live: list[RequestState], counts: list[int] | None = None) -> list[Proposal]:
         """Extend the draft context with pending target features, then draft a block each.
