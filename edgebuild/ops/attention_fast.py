@@ -81,7 +81,7 @@ class DensePlan:
     write_kv: bool
     past_width: int
     row_invariant: bool = False
-    page_table: Tensor | None = None  # long [B, max_pages] (row-invariant plans: page gather)
+    page_table: Tensor | None = None  # long [B, max_pages] (decode / prefill plans: page gather)
     page_size: int = 0
     prefill: bool = False
     _memo: dict = field(default_factory=dict)
@@ -155,7 +155,8 @@ class DensePlan:
         mask = mask & valid[:, :, None]
         return cls(
             wb, wi, w_pages, w_off, r_pages, r_off, key_slots, query_slots, mask, valid,
-            write_kv, width, row_invariant, table if row_invariant else None, page_size,
+            write_kv, width, row_invariant, table if row_invariant or prefill else None,
+            page_size,
             prefill,
         )  # fmt: skip
 
@@ -217,11 +218,14 @@ def paged_attention_planned(
         q = rms_norm(q, q_norm_weight, rms_norm_eps).to(qkv.dtype)
     if rope_cos_sin.shape[1]:
         q = apply_rope(q, positions, rope_cos_sin)
-    keys = kv_cache[plan.read_pages, 0, :, plan.read_offsets, :]  # [B, T, Hkv, D]
-    values = kv_cache[plan.read_pages, 1, :, plan.read_offsets, :]
-    if not plan.write_kv:
-        keys = torch.cat([keys, k], dim=1)
-        values = torch.cat([values, v], dim=1)
+    if plan.page_table is not None:  # a prefill step: whole pages, [B, Hkv, T, D]
+        keys, values = _gather_pages(kv_cache, plan, torch.float32)
+    else:
+        keys = kv_cache[plan.read_pages, 0, :, plan.read_offsets, :].transpose(1, 2)
+        values = kv_cache[plan.read_pages, 1, :, plan.read_offsets, :].transpose(1, 2)
+        if not plan.write_kv:  # [B, Hkv, T_past + S, D]
+            keys = torch.cat([keys, k.transpose(1, 2)], dim=2)
+            values = torch.cat([values, v.transpose(1, 2)], dim=2)
     mask = plan.mask_for(sliding_window)  # [B, S, T]
     seen = mask.any(-1)  # rows that see nothing (padding): give them one key, zero them after
     safe = mask | ~seen[:, :, None]
@@ -233,8 +237,8 @@ def paged_attention_planned(
         safe = torch.cat([safe, pad_rows], dim=1)  # [B, S', T]
     out = F.scaled_dot_product_attention(
         q.float().transpose(1, 2),  # [B, Hq, S, D]
-        keys.float().transpose(1, 2),  # [B, Hkv, T, D]
-        values.float().transpose(1, 2),
+        keys.float(),  # [B, Hkv, T, D]
+        values.float(),
         attn_mask=safe[:, None],
         scale=scale,
         enable_gqa=hq != hkv,
