@@ -101,6 +101,7 @@ class PageAllocator:
         return len(self._hash_of)
 
     def refcount(self, page: int) -> int:
+        """Sequences holding `page` now (0: free, or cached and evictable)."""
         return self._refs[page]
 
     def _take(self) -> int:

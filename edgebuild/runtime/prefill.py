@@ -76,4 +76,5 @@ class PrefillStats:
     passes: int = 0
 
     def copy(self) -> PrefillStats:
+        """A snapshot of these counters (the server diffs two snapshots)."""
         return dataclasses.replace(self)

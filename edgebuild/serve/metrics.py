@@ -236,9 +236,11 @@ class _ScheduleCollector:
         self.scheduler = scheduler
 
     def describe(self):
+        """No fixed descriptions: prometheus_client then calls collect() at each scrape."""
         return []
 
     def collect(self):
+        """The scheduler's counters as metric families (read at scrape time)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         st = self.scheduler.stats
