@@ -18,6 +18,7 @@ an independent oracle:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -219,9 +220,19 @@ def test_pack_unpack_round_trips_the_answers(smollm2_dir, tmp_path):
     for r in datagen.make_pool(0)[:9]:
         a = [g.randrange(0, 49152) for _ in range(g.randint(1, 30))]
         rows.append({**r, "prompt_ids": chat_ids(tok, r["prompt"]), "answer_ids": a})
-    src = tmp_path / "answers.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    info = datagen.pack(src, tmp_path / "data")
+    # two --part files, written out of order: pack merges them in the prompt order
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[4:7]))
+    (cache / "answers.part0of2.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows[7:] + rows[:2])
+    )
+    (cache / "answers.part1of2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[2:4]))
+    merged = datagen.merged_answers(datagen.answer_files(cache), datagen.make_pool(0))
+    assert merged == rows
+    with pytest.raises(SystemExit, match="repeated"):
+        datagen.merged_answers(datagen.answer_files(cache) * 2, datagen.make_pool(0))
+    info = datagen.pack(merged, tmp_path / "data")
     assert info == {"answers": 9, "answer_tokens": sum(len(r["answer_ids"]) for r in rows)}
     back = datagen.unpack(tmp_path / "data", tok)
     assert back == rows
@@ -278,3 +289,28 @@ def test_self_instruct_prompts_take_their_share_of_every_prefix():
         share = sum(r["source"] == "self-instruct" for r in rows[:n]) / n
         assert abs(share - 0.25) <= 1 / n + 1e-9, (n, share)
     assert all(r["source"] == "template" for r in rows[-50:])  # self-instruct ran out
+
+
+def test_dev_prompts_are_the_unanswered_tail_and_part_specs_are_checked(tmp_path):
+    order = [{"id": f"p{i}", "source": "template", "prompt": f"q{i}"} for i in range(20)]
+    done = tmp_path / "answers.jsonl"
+    done.write_text("".join(json.dumps({"id": f"p{i}"}) + "\n" for i in range(12)))
+    dev = datagen.dev_prompts(order, [done], 5)
+    assert [r["id"] for r in dev] == [f"p{i}" for i in range(15, 20)]
+    with pytest.raises(SystemExit, match="already answered"):
+        datagen.dev_prompts(order, [done], 10)  # p10, p11 are training data
+    assert datagen.parse_part("1/2") == (1, 2)
+    for bad in ("2/2", "x", "1/0", "-1/3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--part"):
+            datagen.parse_part(bad)
+
+
+def test_walk_follows_the_runtime_anchors_and_the_token_budget():
+    from tools.train_dspark.walk_tau import walk_steps
+
+    chain = [2, 9, 9, 0, 6, 9, 9, 9, 9, 9, 9, 1, 0]  # accepted drafts at answer anchor j
+    # anchors 0 -> 3 (2 accepted + bonus) -> 4 -> 11 -> 13: the skipped anchors never count
+    assert walk_steps(chain, 100) == [3, 1, 7, 2]
+    # 8 tokens: the prefill's first token + 7 from the steps, the last step cut to fit
+    assert walk_steps(chain, 8) == [3, 1, 3] and 1 + sum(walk_steps(chain, 8)) == 8
+    assert walk_steps([], 64) == [] and walk_steps([0, 0], 64) == [1, 1]

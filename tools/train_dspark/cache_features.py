@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from tools.train_dspark.datagen import parse_part
 from tools.train_dspark.prompts import read_jsonl
 from tools.train_dspark.regenerate import load_target
 
@@ -145,6 +146,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-answer-tokens", type=int, default=0, help="a prefix of the data")
+    ap.add_argument(
+        "--part", type=parse_part, default=(0, 1), help="I/N: every N-th shard (one per core)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     _, model = load_target(args.target, getattr(torch, args.dtype))
@@ -163,11 +167,13 @@ def main() -> None:
         rows = keep
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"taps": args.taps, "target": str(args.target), "dtype": args.dtype, "topk": args.topk}
-    (args.out / "meta.json").write_text(json.dumps(meta))
+    tmp = args.out / f"meta.json.{os.getpid()}.tmp"  # --part runs write it too: atomic
+    tmp.write_text(json.dumps(meta))
+    tmp.replace(args.out / "meta.json")
     t0, peak, n_tok = time.perf_counter(), 0.0, 0
     for s0 in range(0, len(rows), args.shard):
         path = args.out / f"shard-{s0 // args.shard:04d}"
-        if path.is_dir():
+        if path.is_dir() or (s0 // args.shard) % args.part[1] != args.part[0]:
             continue
         chunk = sorted(
             rows[s0 : s0 + args.shard], key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"])

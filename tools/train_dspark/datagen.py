@@ -12,10 +12,17 @@ target's greedy answer token ids, never features):
    (transformers batched ``generate``, bf16, left padding; measured faster than the
    project's runtime here: 346 vs 187 tokens/s at batch 64, one thread), within
    ``--budget-tokens`` / ``--budget-minutes``, appending to a jsonl cache (resumable).
-4. ``pack``: the answers cache -> ``data/distill/answers.npz`` (uint16 token ids + offsets)
-   and ``data/distill/prompts.jsonl.gz`` (id, source, prompt), committed. ``unpack`` turns
+   ``--part I/N`` answers every N-th bucket of 8 batches of the whole order into
+   ``answers.partIofN.jsonl`` (one process per core; the split does not move on a rerun;
+   prompts answered in any other answers file are skipped).
+4. ``pack``: the answers cache (``answers.jsonl`` and any part files, merged in the prompt
+   order) -> ``data/distill/answers.npz`` (uint16 token ids + offsets) and
+   ``data/distill/prompts.jsonl.gz`` (id, source, prompt), committed. ``unpack`` turns
    them back into the answers jsonl that ``cache_features`` reads (prompt ids re-made by the
    tokenizer's chat template).
+5. ``dev``: ``data/distill/dev_prompts.jsonl``, the last ``--n`` prompts of the order (train
+   topics, never answered): a set for choosing checkpoints by the runtime's tau, so the
+   held-out eval prompts are used for the final measurement only.
 
     python -m tools.train_dspark.datagen pool
     python -m tools.train_dspark.datagen selfinstruct --n 1500
@@ -641,16 +648,28 @@ def mixed_prompts(pool: list[dict], si: list[dict], seed: int, si_fraction: floa
     return out
 
 
-def answer(model, tok, rows: list[dict], out: Path, args) -> None:
-    """Greedy answers in prompt order (buckets of 8 batches sorted by length), budgeted."""
+def answer(model, tok, rows: list[dict], out: Path, args, done: list[Path] = ()) -> None:
+    """Greedy answers in prompt order (buckets of 8 batches sorted by length), budgeted.
+
+    Appends to ``out`` (a rerun resumes); prompts answered in ``out`` or in the ``done`` files
+    (the other parts, the unpacked committed data) are skipped. ``--budget-tokens`` counts this
+    file's answers only.
+    """
     from tools.train_dspark.regenerate import chat_ids, generate_batch
 
     eos = int(model.generation_config.eos_token_id or tok.eos_token_id)
-    done, n_tok = set(), 0
+    done_ids, n_tok = set(), 0
+    for path in done:
+        done_ids.update(r["id"] for r in read_jsonl(path))
     if out.exists():
         for r in read_jsonl(out):
-            done.add(r["id"])
+            done_ids.add(r["id"])
             n_tok += len(r["answer_ids"])
+    done = done_ids
+    part, parts = args.part
+    if parts > 1:  # --part: every parts-th bucket of the whole order (stable across reruns)
+        size = 8 * args.batch
+        rows = [r for k, r in enumerate(rows) if (k // size) % parts == part]
     todo = [r for r in rows if r["id"] not in done]
     t0, new_tok = time.perf_counter(), 0
     bucket = 8 * args.batch
@@ -687,9 +706,53 @@ def answer(model, tok, rows: list[dict], out: Path, args) -> None:
                 )
 
 
-def pack(answers: Path, out_dir: Path) -> dict:
-    """answers jsonl -> ``answers.npz`` (uint16 ids, offsets) + ``prompts.jsonl.gz``."""
-    rows = read_jsonl(answers)
+def parse_part(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 0 <= I < N (``--part``: this process's share of the buckets)."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part {text!r}: expected I/N, e.g. 0/2") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--part {text!r}: need 0 <= I < N")
+    return i, n
+
+
+def answer_files(cache: Path) -> list[Path]:
+    """``answers.jsonl`` and the ``answers.part*.jsonl`` files of ``--part`` runs, if any."""
+    main = cache / "answers.jsonl"
+    return ([main] if main.exists() else []) + sorted(cache.glob("answers.part*.jsonl"))
+
+
+def merged_answers(files: list[Path], order: list[dict]) -> list[dict]:
+    """Answer records of several files, in the mixed prompt ``order`` (ids must be unique)."""
+    rank = {r["id"]: i for i, r in enumerate(order)}
+    rows = [r for f in files for r in read_jsonl(f)]
+    ids = [r["id"] for r in rows]
+    if len(set(ids)) != len(ids):
+        raise SystemExit(f"answers repeated across {', '.join(map(str, files))}")
+    missing = [i for i in ids if i not in rank]
+    if missing:
+        raise SystemExit(f"{len(missing)} answers (e.g. {missing[0]}) are not in the prompt order")
+    return sorted(rows, key=lambda r: rank[r["id"]])
+
+
+def dev_prompts(order: list[dict], answered: list[Path], n: int) -> list[dict]:
+    """The last ``n`` prompts of the mixed ``order``: train-topic prompts no answer file holds.
+
+    A model-selection set for the runtime's tau that is neither training data nor the held-out
+    eval prompts (those stay for the final measurement). Raises SystemExit if one of them has
+    been answered (the data would then overlap it).
+    """
+    rows = [{"id": r["id"], "prompt": r["prompt"]} for r in order[-n:]]
+    ids = {r["id"] for r in rows}
+    seen = [r["id"] for f in answered for r in read_jsonl(f) if r["id"] in ids]
+    if seen:
+        raise SystemExit(f"dev prompts already answered (training data): {seen[:3]}")
+    return rows
+
+
+def pack(rows: list[dict], out_dir: Path) -> dict:
+    """answer records -> ``answers.npz`` (uint16 ids, offsets) + ``prompts.jsonl.gz``."""
     ids = np.array([t for r in rows for t in r["answer_ids"]], dtype=np.uint16)
     if ids.size and max(max(r["answer_ids"]) for r in rows if r["answer_ids"]) >= 2**16:
         raise SystemExit("token id >= 65536: uint16 is too small")
@@ -728,11 +791,11 @@ def unpack(data_dir: Path, tok, limit_tokens: int = 0) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=["pool", "selfinstruct", "answers", "pack", "unpack"])
+    ap.add_argument("step", choices=["pool", "selfinstruct", "answers", "pack", "unpack", "dev"])
     ap.add_argument("--target", type=Path, default=Path("examples/smollm2-135m"))
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--data", type=Path, default=DISTILL_DIR)
-    ap.add_argument("--n", type=int, default=1500, help="self-instruct requests")
+    ap.add_argument("--n", type=int, default=1500, help="self-instruct requests / dev prompts")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget-tokens", type=int, default=0)
@@ -744,6 +807,9 @@ def main() -> None:
     ap.add_argument("--si-fraction", type=float, default=0.25, help="0: the committed data's mix")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--part", type=parse_part, default=(0, 1), help="answers: I/N, this process's share"
+    )
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     pool_path, si_path = args.cache / "pool.jsonl", args.data / "selfinstruct_prompts.jsonl"
@@ -752,8 +818,17 @@ def main() -> None:
         _write_jsonl(pool_path, pool)
         print(f"{len(pool)} pool prompts -> {pool_path}")
         return
+    if args.step == "dev":
+        si = read_jsonl(si_path) if si_path.exists() else []
+        order = mixed_prompts(make_pool(args.seed, args.variants), si, args.seed, args.si_fraction)
+        rows = dev_prompts(order, answer_files(args.cache), args.n)
+        _write_jsonl(args.data / "dev_prompts.jsonl", rows)
+        print(f"{len(rows)} dev prompts -> {args.data / 'dev_prompts.jsonl'}")
+        return
     if args.step == "pack":
-        print(json.dumps(pack(args.cache / "answers.jsonl", args.data)))
+        si = read_jsonl(si_path) if si_path.exists() else []
+        order = mixed_prompts(make_pool(args.seed, args.variants), si, args.seed, args.si_fraction)
+        print(json.dumps(pack(merged_answers(answer_files(args.cache), order), args.data)))
         return
     import torch
 
@@ -778,7 +853,9 @@ def main() -> None:
         return
     si = read_jsonl(si_path) if si_path.exists() else []
     rows = mixed_prompts(pool, si, args.seed, args.si_fraction)
-    answer(model, tok, rows, args.cache / "answers.jsonl", args)
+    part, parts = args.part
+    out = args.cache / ("answers.jsonl" if parts == 1 else f"answers.part{part}of{parts}.jsonl")
+    answer(model, tok, rows, out, args, done=[f for f in answer_files(args.cache) if f != out])
 
 
 if __name__ == "__main__":

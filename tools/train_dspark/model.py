@@ -138,11 +138,19 @@ def trainable_state(model: DSparkDraft) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(model: DSparkDraft, draft_cfg: dict, out: Path, dtype=torch.bfloat16) -> None:
-    """``model.safetensors`` (``dtype``, no lm_head / embed_tokens) + ``config.json``."""
+    """``model.safetensors`` (``dtype``, no lm_head / embed_tokens) + ``config.json``.
+
+    Each file is written under a temporary name and renamed into place, so a reader (or an
+    interruption) never sees a torn file.
+    """
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in trainable_state(model).items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(draft_cfg, indent=2) + "\n")
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(draft_cfg, indent=2) + "\n")
+    tmp.replace(out / "config.json")
 
 
 @dataclass

@@ -29,7 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", nargs="+", required=True, help="LABEL=RUN_DIR")
     ap.add_argument("--runtime-tau", nargs="*", default=[], help="LABEL=TAU (BF16 target)")
-    ap.add_argument("--extra-point", nargs="*", default=[], help="LABEL=TOKENS:VALTAU:RTTAU")
+    ap.add_argument(
+        "--extra-point", nargs="*", default=[], help="LABEL=TOKENS:VALTAU:RTTAU (RTTAU optional)"
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     import matplotlib
@@ -49,8 +51,8 @@ def main() -> None:
             pts.append((label, r["answer_tokens"], ys[-1], runtime.get(label)))
     for spec in args.extra_point:
         label, vals = spec.split("=", 1)
-        tok, vt, rt = vals.split(":")
-        pts.append((label, int(tok), float(vt), float(rt)))
+        tok, vt, rt = vals.split(":")  # RTTAU may be empty: no runtime measurement
+        pts.append((label, int(tok), float(vt), float(rt) if rt else None))
     a1.set_xlabel("block rows trained on (millions)")
     a1.set_ylabel("validation tau (teacher-forced)")
     a1.grid(alpha=0.3)

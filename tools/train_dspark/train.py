@@ -330,10 +330,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--l1-weight", type=float, default=1.0)
     ap.add_argument("--val-every", type=int, default=500)
+    ap.add_argument(
+        "--val-anchors", type=int, default=0, help="anchors per validation sequence (0: --anchors)"
+    )
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    val_anchors = args.val_anchors or args.anchors  # the same validation blocks across layouts
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -416,7 +420,7 @@ def main() -> None:
     elapsed0 = json.loads(kept[-1])["elapsed_s"] if kept else 0.0
     if val and args.val_first and first == 0:
         rec0 = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
-        rec0["val"] = validate(model, val, args.anchors, args.seqs_per_step, args.seed, args.device)
+        rec0["val"] = validate(model, val, val_anchors, args.seqs_per_step, args.seed, args.device)
         log.write(json.dumps(rec0) + "\n")
         log.flush()
         print(json.dumps(rec0), flush=True)
@@ -456,7 +460,7 @@ def main() -> None:
         rec["elapsed_s"] = round(elapsed0 + time.perf_counter() - t0, 1)
         if val and ((step + 1) % args.val_every == 0 or step + 1 == args.steps):
             rec["val"] = validate(
-                model, val, args.anchors, args.seqs_per_step, args.seed, args.device
+                model, val, val_anchors, args.seqs_per_step, args.seed, args.device
             )
         log.write(json.dumps(rec) + "\n")
         log.flush()
