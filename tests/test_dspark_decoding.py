@@ -155,6 +155,36 @@ def test_random_draft_greedy_output_equals_target_only_for_every_n(tiny, tmp_pat
     assert total >= 7 * 40 * len(prompts)
 
 
+def test_a_lattice_over_the_memory_bound_is_walked_token_by_token_with_the_same_drafts(
+    tiny, tmp_path, monkeypatch
+):
+    """A large draft_top_k must not build a K x K lattice (it OOM-killed a 24 GB host at
+    K=4096): over LATTICE_MAX_BYTES the walk goes token by token, with the same proposals."""
+    import edgebuild.runtime.dspark_backend as backend
+
+    target_dir, model = tiny
+    draft_dir = make_random_draft(tmp_path / "draft", target_dir, block_size=7, num_layers=2)
+    prompts = prompts_of([5, 17, 2, 11])
+    params = SamplingParams(max_tokens=30)
+    ref = [s.output_ids for s in target_only(model, prompts, params)]
+    runs = {}
+    for bound in (backend.LATTICE_MAX_BYTES, 0):  # 0: every lattice is over the bound
+        monkeypatch.setattr(backend, "LATTICE_MAX_BYTES", bound)
+        draft = load_draft(draft_dir, target_dir, 7, top_k=16)
+        calls = []
+        lattice = draft.model.lattice
+        monkeypatch.setattr(
+            draft.model, "lattice", lambda *a, c=calls, f=lattice: c.append(1) or f(*a)
+        )
+        got = speculative(model, draft, prompts, params, 7)
+        assert [s.output_ids for s in got] == ref  # lossless either way
+        runs[bound] = ([s.metrics.acceptance_by_position for s in got], bool(calls))
+    (acc_lattice, used), (acc_token, used_small) = runs.values()
+    assert used and not used_small
+    assert acc_token == acc_lattice  # the same drafts were proposed and accepted
+    assert backend.lattice_bytes(28, 7, 4096, 576) > 10 * 2**30  # the case that was killed
+
+
 @pytest.mark.parametrize("batch_lengths", [[9], [5, 17, 2, 11]])
 def test_rigged_draft_accepts_everything_and_stays_lossless(tiny, batch_lengths):
     _, model = tiny

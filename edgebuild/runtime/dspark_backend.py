@@ -22,6 +22,18 @@ from edgebuild.runtime.torch_backend import make_batch, pad_rows
 
 log = logging.getLogger("edgebuild.runtime")
 
+LATTICE_MAX_BYTES = 256 * 2**20
+"""Largest top-k lattice built at once. It holds ``B x n x K x K`` fp32 scores plus the
+``B x n x K x d`` hidden rows of its Markov input, which grows with ``K**2``: a
+``draft_top_k`` (or a checkpoint's ``markov_topk``) of 4,096 at batch 28 needed ~15 GB and was
+OOM-killed on a 24 GB host. Above this the same walk runs token by token
+(:meth:`TorchDraft._walk_by_token`, ``O(B n K)`` memory, the same candidates and scores)."""
+
+
+def lattice_bytes(batch: int, n: int, k: int, hidden: int) -> int:
+    """Bytes of the fp32 tensors of a ``[batch, n]`` top-``k`` lattice (``hidden`` = d)."""
+    return 4 * batch * n * k * (k + hidden)
+
 
 class TorchDraft:
     """DraftBackend for a :class:`DSparkDraft` on the CPU.
@@ -116,12 +128,14 @@ class TorchDraft:
     ) -> list[Proposal]:
         """The Markov walk (module docstring): over the top-k lattice, the one walk the
         TensorRT draft runs too (:func:`walk_lattice`); token by token for an rnn head or the
-        full vocabulary (``draft_top_k`` 0), where no lattice exists."""
+        full vocabulary (``draft_top_k`` 0), where no lattice exists, and for a lattice over
+        :data:`LATTICE_MAX_BYTES`."""
         vocab = base.shape[-1]
         k_cand = self.top_k if 0 < self.top_k < vocab else vocab
         head = self.model.markov_head
         rnn = head is not None and head.head_type is MarkovHeadType.RNN
-        if k_cand < vocab and not rnn:
+        small = lattice_bytes(*h.shape[:2], k_cand, h.shape[-1]) <= LATTICE_MAX_BYTES
+        if k_cand < vocab and not rnn and small:
             cand, scores, conf = self.model.lattice(h, base, torch.tensor(anchors), k_cand)
             return walk_lattice(cand, scores, conf, num_tokens, params, generators)
         return self._walk_by_token(h, base, anchors, num_tokens, params, generators, k_cand)
