@@ -658,19 +658,18 @@ def answer(model, tok, rows: list[dict], out: Path, args, done: list[Path] = ())
     from tools.train_dspark.regenerate import chat_ids, generate_batch
 
     eos = int(model.generation_config.eos_token_id or tok.eos_token_id)
-    done_ids, n_tok = set(), 0
+    answered, n_tok = set(), 0
     for path in done:
-        done_ids.update(r["id"] for r in read_jsonl(path))
+        answered.update(r["id"] for r in read_jsonl(path))
     if out.exists():
         for r in read_jsonl(out):
-            done_ids.add(r["id"])
+            answered.add(r["id"])
             n_tok += len(r["answer_ids"])
-    done = done_ids
     part, parts = args.part
     if parts > 1:  # --part: every parts-th bucket of the whole order (stable across reruns)
         size = 8 * args.batch
         rows = [r for k, r in enumerate(rows) if (k // size) % parts == part]
-    todo = [r for r in rows if r["id"] not in done]
+    todo = [r for r in rows if r["id"] not in answered]
     t0, new_tok = time.perf_counter(), 0
     bucket = 8 * args.batch
     with out.open("a", encoding="utf-8") as f:
@@ -700,7 +699,7 @@ def answer(model, tok, rows: list[dict], out: Path, args, done: list[Path] = ())
                 f.flush()
                 dt = time.perf_counter() - t0
                 print(
-                    f"{len(done) + b0 + i + len(chunk)} answers, {n_tok} tokens "
+                    f"{len(answered) + b0 + i + len(chunk)} answers, {n_tok} tokens "
                     f"({new_tok / dt:.1f} tok/s this run, {dt:.0f} s)",
                     flush=True,
                 )

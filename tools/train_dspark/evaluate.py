@@ -69,6 +69,15 @@ def run_pair(target: Path, draft: Path, prompts: list[str], args) -> dict:
     return out
 
 
+def _portable(path: Path) -> str:
+    """``path`` relative to the working directory (the repository root) when it lies under
+    it, so a committed ``eval.json`` names no machine's folders; else as given."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -124,7 +133,7 @@ def main() -> None:
         t0 = time.perf_counter()
         result = run_pair(targets[pair], args.draft, prompts, args)
         result.update(
-            prompt_file=str(args.prompts),
+            prompt_file=_portable(args.prompts),
             max_tokens=args.max_tokens,
             num_speculative_tokens=args.n,
             draft_top_k=default_draft_top_k(args.draft) if args.top_k is None else args.top_k,

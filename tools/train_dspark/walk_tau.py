@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from tools.train_dspark.cache_features import load_shards
 from tools.train_dspark.model import AnchorBatch, build_draft
 from tools.train_dspark.prompts import read_jsonl
-from tools.train_dspark.train import block_losses, resume_weights
+from tools.train_dspark.train import accepted_lengths, block_losses, resume_weights
 
 
 def walk_steps(chain: list[int], max_tokens: int) -> list[int]:
@@ -61,7 +61,7 @@ def chain_lengths(model, seq: dict) -> list[int]:
         torch.ones_like(anchors, dtype=torch.bool),
     )
     _, out = block_losses(model, batch, seq["final"][None], 1.0)
-    return (out["hit"] & out["valid"]).long().cumprod(-1).sum(-1)[0].tolist()
+    return accepted_lengths(out["hit"], out["valid"]).tolist()  # one block per anchor
 
 
 def main() -> None:
