@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from edgebuild.checkpoint.hub import ModelSource, resolve_model_ref
 from edgebuild.errors import ConfigError
 from edgebuild.speculative.registry import method_names
 
@@ -66,10 +67,24 @@ class _Strict(BaseModel):
 
 
 class ModelRef(_Strict):
-    """A checkpoint: ``path`` (relative to the recipe or project root), optional hub ``repo``."""
+    """A checkpoint: a local ``path`` (relative to the recipe or project root) and/or a Hub
+    ``repo`` id with an optional ``revision`` (branch, tag or commit; default ``main``).
 
-    path: str
+    With both, the local folder is used when it exists, else the Hub id is resolved (into the
+    Hub cache, :mod:`edgebuild.checkpoint.hub`). At least one of ``path`` / ``repo`` is set.
+    """
+
+    path: str | None = None
     repo: str | None = None
+    revision: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ModelRef:
+        if self.path is None and self.repo is None:
+            raise ValueError("give 'path' (a local folder) or 'repo' (a Hub id), or both")
+        if self.revision is not None and self.repo is None:
+            raise ValueError("'revision' applies to a Hub 'repo'; add 'repo: ORG/NAME'")
+        return self
 
 
 class SpeculativeSettings(_Strict):
@@ -219,20 +234,56 @@ class Recipe(_Strict):
         return Path.cwd()
 
     def resolve(self, ref: ModelRef) -> Path:
-        """A checkpoint path: absolute as is; relative to the recipe dir if that exists,
-        else relative to the project root (which need not exist yet: weights are checked at
-        build time)."""
+        """A checkpoint folder (:meth:`resolve_source`'s ``path``)."""
+        return self.resolve_source(ref).path
+
+    def _local_path(self, ref: ModelRef) -> Path | None:
+        if ref.path is None:
+            return None
         path = Path(ref.path).expanduser()
         if path.is_absolute():
             return path
         near = self.source.resolve().parent / path
         return near if near.exists() else self.project_root() / path
 
+    def resolve_source(self, ref: ModelRef) -> ModelSource:
+        """Where a reference's checkpoint is: the local ``path`` when it exists (absolute as
+        is; relative to the recipe dir if that exists, else to the project root), else the
+        ``repo`` resolved through the Hub cache; a ``path`` alone that does not exist is
+        returned as is (weights are checked at build time).
+
+        Raises:
+            CheckpointError: a Hub id that cannot be resolved (names the fix).
+        """
+        local = self._local_path(ref)
+        if local is not None and (local.is_dir() or ref.repo is None):
+            return ModelSource(local, str(ref.path))
+        return resolve_model_ref(ref.repo, ref.revision, what="recipe model")
+
+    def resolved(self) -> tuple[Recipe, dict[str, ModelSource]]:
+        """This recipe with every reference resolved to a local ``path`` (Hub ids downloaded
+        if needed, once), and the sources by role (``target``, ``draft``) for the manifest.
+
+        Raises:
+            CheckpointError: a Hub id that cannot be resolved.
+        """
+        sources = {"target": self.resolve_source(self.target)}
+        if self.draft is not None:
+            sources["draft"] = self.resolve_source(self.draft)
+        refs = {role: ModelRef(path=str(src.path)) for role, src in sources.items()}
+        return self.model_copy(update=refs), sources
+
     def speculative_config(self) -> dict[str, Any] | None:
         """The runtime's ``--speculative-config`` dict, or None without a draft."""
         if self.draft is None or self.speculative is None:
             return None
-        return {"model": str(self.resolve(self.draft)), **self.speculative.model_dump()}
+        local = self._local_path(self.draft)
+        if local is not None and (local.is_dir() or self.draft.repo is None):
+            model = str(local)
+        else:  # a Hub id: resolved when the config is parsed (nothing is fetched here)
+            rev = f"@{self.draft.revision}" if self.draft.revision else ""
+            model = f"{self.draft.repo}{rev}"
+        return {"model": model, **self.speculative.model_dump()}
 
 
 def _describe(err: dict) -> str:

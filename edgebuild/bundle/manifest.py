@@ -71,13 +71,20 @@ def checkpoint_files(ckpt_dir: Path) -> list[str]:
     return sorted(set(names))
 
 
-def source_record(ckpt_dir: Path) -> dict:
-    """Manifest entry of a source checkpoint: absolute path and every defining file's hash."""
-    ckpt_dir = Path(ckpt_dir).resolve()
-    return {
-        "path": str(ckpt_dir),
+def source_record(ckpt_dir: Path, hub: dict | None = None) -> dict:
+    """Manifest entry of a source checkpoint: absolute path and every defining file's hash,
+    and for a Hub id its ``hub`` entry (``repo_id``, the ``revision`` asked for and the
+    ``commit`` it resolved to; the path is then the Hub cache's snapshot folder)."""
+    ckpt_dir = Path(ckpt_dir)
+    if hub is None:
+        ckpt_dir = ckpt_dir.resolve()  # a Hub snapshot keeps its path (its files are links)
+    record = {
+        "path": str(ckpt_dir.absolute()),
         "files": {name: file_record(ckpt_dir / name) for name in checkpoint_files(ckpt_dir)},
     }
+    if hub is not None:
+        record["hub"] = dict(hub)
+    return record
 
 
 def dumps(manifest: dict) -> str:
@@ -146,11 +153,11 @@ def _check_files(bundle: Path, manifest: dict) -> list[str]:
             rel = entry.get(key)
             if rel and rel not in files:
                 problems.append(f"roles.{role}.{key} = {rel!r} is not in the manifest's files")
-    problems += _unlisted_files(bundle, manifest, files)
+    problems += unlisted_files(bundle, manifest, files)
     return problems
 
 
-def _unlisted_files(bundle: Path, manifest: dict, files: dict) -> list[str]:
+def unlisted_files(bundle: Path, manifest: dict, files: dict) -> list[str]:
     """Files in a role folder (``base/``, ``draft/``, ``visual/``) the manifest does not list.
 
     Nothing writes into a bundle after its manifest, so such a file was added by hand (e.g. an
@@ -175,6 +182,20 @@ def _check_sources(manifest: dict) -> list[str]:
     problems = []
     for role, source in sorted((manifest.get("sources") or {}).items()):
         root = Path(source.get("path", ""))
+        hub = source.get("hub")
+        if hub and root.name != hub.get("commit"):
+            problems.append(
+                f"sources.{role}: {hub.get('repo_id')} was built from commit {hub.get('commit')} "
+                f"but its path {root} is not that commit's snapshot; rebuild the bundle"
+            )
+            continue
+        if hub and not root.is_dir():
+            problems.append(
+                f"sources.{role}: {hub.get('repo_id')}@{hub.get('commit')} is no longer in the Hub "
+                f"cache ({root} is missing); restore it with `hf download {hub.get('repo_id')} "
+                f"--revision {hub.get('commit')}` or rebuild the bundle"
+            )
+            continue
         if not root.is_dir():
             problems.append(
                 f"sources.{role}: checkpoint directory {root} is missing (moved or deleted after "
@@ -310,8 +331,14 @@ class ResolvedModel:
     manifest: dict | None = None
 
 
-def resolve_model_path(path: str | Path) -> ResolvedModel:
+def resolve_model_path(path: str | Path, verify: bool = True) -> ResolvedModel:
     """A checkpoint directory as is; a bundle after :func:`verify_bundle`, as its sources.
+
+    Args:
+        path: a checkpoint or bundle directory.
+        verify: re-hash the bundle and its sources (:func:`verify_bundle`); False when the
+            caller has just checked it (the engine cache's start-up check,
+            :mod:`edgebuild.bundle.cache`), so a start reads no weights: only the manifest.
 
     Raises:
         BundleError: a bundle that does not verify (changed byte, missing file, wrong format
@@ -320,7 +347,7 @@ def resolve_model_path(path: str | Path) -> ResolvedModel:
     path = Path(path)
     if not is_bundle(path):
         return ResolvedModel(target=path)
-    manifest = verify_bundle(path, check_sources=True)
+    manifest = verify_bundle(path, check_sources=True) if verify else read_manifest(path)
     sources = manifest.get("sources") or {}
     if "target" not in sources:
         raise BundleError(f"{path / MANIFEST_NAME}: no sources.target; rebuild the bundle")

@@ -74,6 +74,22 @@ class TensorInfo:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+def read_safetensors_header_bytes(path: Path) -> bytes:
+    """The raw header of a safetensors file (its 8-byte length and JSON), unparsed: a cheap
+    identity of the file's tensors (names, dtypes, shapes, offsets) for cache keys.
+
+    Raises:
+        CheckpointError: a file too short to hold its declared header.
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        body = f.read(n) if 0 <= n <= 100_000_000 else b""
+    if n < 0 or len(body) != n:
+        raise CheckpointError(f"{path}: truncated safetensors header; re-download the file")
+    return head + body
+
+
 def read_safetensors_header(path: Path) -> dict[str, dict]:
     """Parse and check a safetensors header; returns {name: {dtype, shape, data_offsets}}.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,8 +44,7 @@ def load_tokenizer(model_dir: Path):
     Raises:
         CheckpointError: no tokenizer files in `model_dir`.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # local files only: never a Hub call
 
     if not any(
         (model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -122,12 +120,16 @@ class LLM:
     """Target (+ optional DSpark draft) on the torch CPU backend or a bundle's engines.
 
     Args:
-        model: target checkpoint directory, or a bundle (``manifest.json``): verified, then
-            run from its source checkpoints, with its draft unless ``speculative`` is given.
+        model: target checkpoint directory or Hub id (``org/name[@revision]``, resolved
+            through the Hub cache, :mod:`edgebuild.checkpoint.hub`), or a bundle
+            (``manifest.json``): verified, then run from its source checkpoints, with its
+            draft unless ``speculative`` is given.
         speculative: a SpeculativeConfig (or its JSON) to enable DSpark.
         options: RuntimeOptions.
         backend: ``torch`` (CPU, the source checkpoints) or ``tensorrt`` (the bundle's engines;
             limits from the bundle's build settings; see :mod:`edgebuild.runtime.select`).
+        verify_bundle: re-hash a bundle and its sources before loading (False: the caller
+            just checked it, e.g. an engine-cache hit).
 
     Raises:
         CheckpointError / ConfigError / PairingError: before any model runs.
@@ -141,10 +143,13 @@ class LLM:
         speculative: SpeculativeConfig | str | dict | None = None,
         options: RuntimeOptions | None = None,
         backend: str = "torch",
+        verify_bundle: bool = True,
     ):
         from edgebuild.bundle.manifest import resolve_model_path
+        from edgebuild.checkpoint.hub import resolve_model_ref
 
-        resolved = resolve_model_path(model)  # a bundle: verified, then its source checkpoints
+        model = resolve_model_ref(model).path  # a folder as is; a Hub id from the Hub cache
+        resolved = resolve_model_path(model, verify=verify_bundle)  # a bundle: its sources
         self.bundle = resolved.bundle
         self.model_dir = resolved.target
         self.options = dataclasses.replace(options or RuntimeOptions())

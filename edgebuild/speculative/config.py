@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgebuild.checkpoint.dspark_config import read_dspark_field  # the one draft-config reader
+from edgebuild.checkpoint.hub import ModelSource, resolve_model_ref
 from edgebuild.errors import ConfigError
 from edgebuild.speculative.registry import METHODS, PLANNED_METHODS, get_method
 
@@ -35,6 +36,7 @@ SUPPORTED_METHODS: dict[str, str] = {m.name: m.description for m in METHODS.valu
 _KEYS = {
     "method",
     "model",
+    "revision",
     "num_speculative_tokens",
     "draft_top_k",
     "confidence_threshold",
@@ -89,7 +91,9 @@ class SpeculativeConfig:
 
     Attributes:
         method: one of SUPPORTED_METHODS.
-        model: draft checkpoint directory.
+        model: draft checkpoint directory (a Hub id in the JSON, ``"model": "org/name"`` with
+            an optional ``"revision"`` or ``org/name@rev``, is resolved to its snapshot folder
+            in the Hub cache: :mod:`edgebuild.checkpoint.hub`).
         num_speculative_tokens: drafts per step, 1..block_size (checked against the draft).
         draft_top_k: candidates per position for the Markov walk (0 = full vocab); default:
             the draft's ``markov_topk`` (:func:`default_draft_top_k`), else 16.
@@ -109,6 +113,7 @@ class SpeculativeConfig:
     confidence_threshold: float = 0.0
     draft_top_k_given: bool = field(default=False, compare=False)
     confidence_scheduling: bool = False
+    source: ModelSource | None = field(default=None, compare=False)  # the resolved reference
 
     @classmethod
     def parse(cls, value: str | dict) -> SpeculativeConfig:
@@ -117,6 +122,7 @@ class SpeculativeConfig:
         Raises:
             ConfigError: invalid JSON, unknown key or method (lists the supported), a
                 missing draft directory, or an out-of-range number.
+            CheckpointError: a draft Hub id that cannot be resolved (names the fix).
         """
         if isinstance(value, str):
             try:
@@ -133,9 +139,16 @@ class SpeculativeConfig:
         method = get_method(value.get("method")).name  # the registry's record
         if "model" not in value or not isinstance(value["model"], str):
             raise ConfigError(
-                "--speculative-config: 'model' (the draft checkpoint path) is required"
+                "--speculative-config: 'model' (the draft checkpoint path or Hub id) is required"
             )
-        model = Path(value["model"])
+        revision = value.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise ConfigError(
+                f"--speculative-config: revision must be a string (branch, tag or commit), got "
+                f"{revision!r}"
+            )
+        source = resolve_model_ref(value["model"], revision, what="draft model")
+        model = source.path
         if not (model / "config.json").is_file():
             raise ConfigError(
                 f"--speculative-config: draft model {model} has no config.json (expected a "
@@ -161,7 +174,7 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-config: confidence_scheduling must be true or false, got {sched!r}"
             )
-        return cls(method, model, n, top_k, float(thr), "draft_top_k" in value, sched)
+        return cls(method, model, n, top_k, float(thr), "draft_top_k" in value, sched, source)
 
     def check_block(self, block_size: int, source: str) -> None:
         """num_speculative_tokens must not exceed the draft's block_size (all-predicting)."""
