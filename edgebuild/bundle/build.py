@@ -26,9 +26,10 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from edgebuild.bundle.manifest import (
 )
 from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.draft import pair_draft
+from edgebuild.checkpoint.hub import ModelSource
 from edgebuild.checkpoint.pairing import PairedSources
 from edgebuild.checkpoint.quant import QuantAlgo
 from edgebuild.checkpoint.source import COMPONENT, WeightSource
@@ -61,6 +63,7 @@ from edgebuild.recipe import (
 from edgebuild.speculative.registry import get_method
 
 log = logging.getLogger("edgebuild.bundle")
+PROGRESS_LOG_S = 30.0  # a long stage logs its progress (and ETA) this often
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -97,6 +100,8 @@ class BuildOptions:
             ``build.precision`` (bf16 / fp16), or the checkpoint's dtype for nvfp4 / fp8.
         force: replace an existing output directory.
         progress: show progress bars.
+        on_stage: called with each stage's name as it starts (``export base``, ``engine
+            base``, ...): the server's ``/health`` reports it.
     """
 
     onnx_only: bool = False
@@ -107,6 +112,7 @@ class BuildOptions:
     dtype: str | None = None
     force: bool = False
     progress: bool = True
+    on_stage: Callable[[str], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -126,6 +132,7 @@ class BuildPlan:
     dtype: str | None
     formats: tuple[str, ...]
     vision: VisionConfig | None = None
+    hub: dict[str, dict] | None = None  # role -> the manifest's sources.<role>.hub entry
 
 
 def _formats(source: WeightSource) -> set[QuantAlgo]:
@@ -143,6 +150,7 @@ def recipe_from_flags(
     num_speculative_tokens: int | None = None,
     draft_top_k: int | None = None,
     confidence_threshold: float = 0.0,
+    name: str | None = None,
     **build: int,
 ) -> Recipe:
     """A :class:`Recipe` for ``edgebuild build CKPT [--draft D]`` and its flags.
@@ -154,6 +162,8 @@ def recipe_from_flags(
     ``draft_top_k`` to the draft's ``markov_topk`` (else 16, see
     :func:`edgebuild.speculative.config.default_draft_top_k`).
     ``build`` holds the other ``build:`` keys (``max_batch_size``, ``max_input_len``, ...).
+    ``name`` is the bundle's name (default: the checkpoint folder's name; a Hub id's name for
+    a snapshot).
 
     Raises:
         ConfigError: a bad flag value (as :meth:`Recipe.validate` names it), an unreadable
@@ -191,7 +201,7 @@ def recipe_from_flags(
         )
     try:
         recipe = Recipe(
-            name=ckpt.name,
+            name=name or ckpt.name,
             target=ModelRef(path=str(ckpt)),
             draft=ModelRef(path=str(Path(draft).resolve())) if draft is not None else None,
             speculative=spec,
@@ -324,10 +334,13 @@ def _plan_visual(recipe: Recipe, target: WeightSource, tcfg: ModelConfig) -> Vis
 
 # ----------------------------------------------------------------------------- progress
 class _Progress:
-    """Rich progress bars: one per stage, counting weight bytes written where known."""
+    """Progress of the build's stages: rich bars (``enabled``), and in the log a start line
+    and an end line with the duration for every stage, plus a progress line with an ETA
+    every :data:`PROGRESS_LOG_S` seconds where the stage counts bytes (export)."""
 
-    def __init__(self, enabled: bool):
-        self._bar, self._task = None, None
+    def __init__(self, enabled: bool, on_stage: Callable[[str], None] | None = None):
+        self._bar, self._task, self._on_stage = None, None, on_stage
+        self._name, self._t0, self._total, self._done, self._logged = None, 0.0, None, 0, 0.0
         if enabled:
             from rich.progress import (
                 BarColumn,
@@ -354,15 +367,30 @@ class _Progress:
 
     def stage(self, description: str, total_bytes: int | None = None) -> None:
         """Start a stage (``total_bytes`` None: an indeterminate bar)."""
-        log.info("%s", description)
+        self._name, self._t0 = description, time.monotonic()
+        self._total, self._done, self._logged = total_bytes, 0, self._t0
+        log.info("build: %s ...", description)
+        if self._on_stage is not None:
+            self._on_stage(description)
         if self._bar is not None:
             self._task = self._bar.add_task(description, total=total_bytes)
 
     def advance(self, _name: str, nbytes: int) -> None:
+        self._done += nbytes
+        now = time.monotonic()
+        if self._total and now - self._logged >= PROGRESS_LOG_S:
+            self._logged, rate = now, self._done / max(now - self._t0, 1e-9)
+            eta = (self._total - self._done) / rate if rate > 0 else float("nan")
+            log.info(
+                "build: %s %.0f%% (%.2f of %.2f GB), ETA %.0f s",
+                self._name, 100 * self._done / self._total, self._done / 1e9, self._total / 1e9,
+                eta,
+            )  # fmt: skip
         if self._bar is not None and self._task is not None:
             self._bar.advance(self._task, nbytes)
 
     def done(self) -> None:
+        log.info("build: %s done in %.1f s", self._name, time.monotonic() - self._t0)
         if self._bar is not None and self._task is not None:
             task = self._bar.tasks[-1]
             total = task.total if task.total is not None else 1
@@ -558,11 +586,11 @@ def _manifest(plan: BuildPlan, options: BuildOptions, tmp: Path, exported: dict,
     from edgebuild.export import dspark_fields
     from edgebuild.export.plugin import contract
 
-    recipe = plan.recipe
-    sources = {"target": source_record(plan.target.path)}
+    recipe, hub = plan.recipe, plan.hub or {}
+    sources = {"target": source_record(plan.target.path, hub.get("target"))}
     dspark = None
     if plan.pair is not None:
-        sources["draft"] = source_record(plan.pair.draft.path)
+        sources["draft"] = source_record(plan.pair.draft.path, hub.get("draft"))
         dspark = dspark_fields(plan.draft_config)
         dspark["lm_head_source"] = plan.pair.lm_head().checkpoint_source
         dspark["embed_tokens_source"] = plan.pair.embed_tokens().checkpoint_source
@@ -601,19 +629,38 @@ class BuildResult:
     manifest: dict
 
 
-def build_bundle(recipe: Recipe, out: Path, options: BuildOptions | None = None) -> BuildResult:
+def build_bundle(
+    recipe: Recipe,
+    out: Path,
+    options: BuildOptions | None = None,
+    sources: dict[str, ModelSource] | None = None,
+) -> BuildResult:
     """Build a bundle at ``out`` from ``recipe`` (module docstring for the stages).
 
+    Args:
+        recipe: what to build; its references may be Hub ids (resolved here, once).
+        out: the bundle directory (written atomically).
+        options: how to build.
+        sources: the recipe's references already resolved (:meth:`Recipe.resolved`), whose
+            Hub ids and commits the manifest records; None: resolved here.
+
     Raises:
-        CheckpointError / PairingError / ConfigError: stage 1 (nothing written).
+        CheckpointError / PairingError / ConfigError: stage 1 (nothing written); a Hub id
+            that cannot be resolved.
         BundleError: ``out`` exists without ``force``.
         EngineError / MissingDependencyError: engine stage (a plugin graph without library).
     """
     from edgebuild.engine.builder import record_profiles
 
     options = options or BuildOptions()
+    if sources is None:
+        recipe, sources = recipe.resolved()
     plan = plan_build(recipe, options)
-    with _Progress(options.progress) as progress, _staging(out, options.force) as tmp:
+    plan.hub = {role: src.to_manifest() for role, src in sources.items() if src.is_hub}
+    with (
+        _Progress(options.progress, options.on_stage) as progress,
+        _staging(out, options.force) as tmp,
+    ):
         exported = _export(plan, options, tmp, progress)
         exported["tokenizer"] = _copy_tokenizer(plan.target.path, tmp)
         engines = _engines(plan, options, tmp, exported["roles"], progress)
