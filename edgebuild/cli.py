@@ -21,6 +21,16 @@ from edgebuild.speculative.registry import speculative_help
 SPECULATIVE_HELP = speculative_help()  # the methods of the registry
 
 
+REVISION_HELP = "Hub revision (branch, tag or commit) of a Hub id; or write org/name@rev."
+
+
+def _ref(value, revision: str | None = None, what: str = "model"):
+    """A model reference resolved (:func:`edgebuild.checkpoint.hub.resolve_model_ref`)."""
+    from edgebuild.checkpoint.hub import resolve_model_ref
+
+    return resolve_model_ref(value, revision, what=what)
+
+
 def _friendly(fn):
     """Turn EdgebuildError into `error: message` + exit code 2."""
 
@@ -77,15 +87,23 @@ def example_prepare(out: Path, nvfp4_out: Path | None, no_nvfp4: bool, force: bo
 
 # ---------------------------------------------------------------------- inspect
 @main.command()
-@click.argument("ckpt", type=click.Path(path_type=Path))
-@click.option("--draft", type=click.Path(path_type=Path), help="A draft to pair with CKPT.")
+@click.argument("ckpt")
+@click.option("--draft", default=None, help="A draft (folder or Hub id) to pair with CKPT.")
+@click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_friendly
-def inspect(ckpt: Path, draft: Path | None, as_json: bool) -> None:
-    """Architecture, dtypes, quant format, tensor count and bytes (and draft provenance)."""
+def inspect(ckpt: str, draft: str | None, revision: str | None, as_json: bool) -> None:
+    """Architecture, dtypes, quant format, tensor count and bytes (and draft provenance).
+
+    CKPT is a checkpoint folder or a Hub id (org/name[@revision]).
+    """
     from edgebuild.inspect import inspect_checkpoint
 
-    report = inspect_checkpoint(ckpt, draft)
+    target = _ref(ckpt, revision)
+    draft_dir = _ref(draft, what="draft model").path if draft is not None else None
+    report = inspect_checkpoint(target.path, draft_dir)
+    if target.is_hub:
+        report = {"model": f"{target.repo_id}@{target.commit}", **report}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -112,10 +130,11 @@ def doctor() -> None:
 
 # ---------------------------------------------------------------------- run
 @main.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model")
 @click.option(
     "--prompt", "prompts", multiple=True, required=True, help="Prompt (repeatable: batched)."
 )
+@click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--chat", is_flag=True, help="Use the model's chat template.")
 @click.option("--max-tokens", default=64, show_default=True)
 @click.option(
@@ -162,14 +181,16 @@ def doctor() -> None:
     help="auto: TensorRT when the bundle's engines fit this GPU and TensorRT, else torch.",
 )
 @_friendly
-def run(model, prompts, chat, max_tokens, temperature, top_p, top_k, seed, spec, compare, as_json,
-        threads, dtype, quant, backend):  # fmt: skip
-    """Generate with MODEL (a checkpoint or a bundle; DSpark with --speculative-config)."""
+def run(model, prompts, revision, chat, max_tokens, temperature, top_p, top_k, seed, spec,
+        compare, as_json, threads, dtype, quant, backend):  # fmt: skip
+    """Generate with MODEL (a checkpoint folder, a Hub id org/name[@rev], or a bundle; DSpark
+    with --speculative-config)."""
     from edgebuild.runtime.cpu import resolve_dtype, set_cpu_threads
     from edgebuild.runtime.llm import LLM, RuntimeOptions
     from edgebuild.runtime.sampling import SamplingParams
     from edgebuild.runtime.select import select_backend
 
+    model = _ref(model, revision).path
     set_cpu_threads(threads)
     choice = select_backend(backend, model)
     click.echo(f"backend: {choice.name} ({choice.reason})", err=True)
@@ -240,18 +261,20 @@ def _timed_generate(llm, ids, params) -> dict:
 
 # ---------------------------------------------------------------------- quantize
 @main.command()
-@click.argument("ckpt", type=click.Path(path_type=Path))
+@click.argument("ckpt")
+@click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--quant", type=click.Choice(["nvfp4", "fp8"]), default="nvfp4", show_default=True)
 @click.option(
     "--lm-head", type=click.Choice(["nvfp4", "fp8"]), default=None, help="Quantize lm_head too."
 )
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True)
 @_friendly
-def quantize(ckpt: Path, quant: str, lm_head: str | None, out: Path) -> None:
-    """Quantize CKPT with NVIDIA ModelOpt into an HF checkpoint (calibrated on the CPU)."""
+def quantize(ckpt: str, revision: str | None, quant: str, lm_head: str | None, out: Path) -> None:
+    """Quantize CKPT (a folder or a Hub id) with NVIDIA ModelOpt into an HF checkpoint
+    (calibrated on the CPU)."""
     from edgebuild.quantize import quantize_checkpoint
 
-    path = quantize_checkpoint(ckpt, out, quant=quant, lm_head=lm_head)
+    path = quantize_checkpoint(_ref(ckpt, revision).path, out, quant=quant, lm_head=lm_head)
     click.echo(f"wrote {path}")
 
 
@@ -267,9 +290,17 @@ _BUILD_FLAGS = (
 
 
 @main.command()
-@click.argument("source", type=click.Path(path_type=Path, exists=True))
-@click.option("--draft", type=click.Path(path_type=Path, exists=True), help="DSpark draft.")
-@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Bundle dir.")
+@click.argument("source")
+@click.option("--draft", default=None, help="DSpark draft: a folder or a Hub id (org/name[@rev]).")
+@click.option("--revision", default=None, help=REVISION_HELP)
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None, help="Bundle dir.")
+@click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The engine cache to build into when there is no -o (default: $EDGEBUILD_CACHE_DIR, "
+    "else ~/.cache/edgebuild): an entry is reused while nothing that decides the engines changed.",
+)
 @click.option("--onnx-only", is_flag=True, help="Stop after the ONNX graphs.")
 @click.option("--portable", is_flag=True, help="Standard-op graphs (no plugin nodes).")
 @click.option("--device", type=click.Choice(["thor", "orin"]), default=None)
@@ -305,37 +336,24 @@ _BUILD_FLAGS = (
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--no-progress", is_flag=True)
 @_friendly
-def build(source, draft, out, onnx_only, portable, builder, plugin_library, timing_cache,
-          dtype, force, no_progress, **flags):  # fmt: skip
-    """Build a bundle from SOURCE: a recipe (.yaml) or a target checkpoint (+ --draft, flags).
+def build(source, draft, revision, out, cache_dir, onnx_only, portable, builder,
+          plugin_library, timing_cache, dtype, force, no_progress, **flags):  # fmt: skip
+    """Build a bundle from SOURCE: a recipe (.yaml), or a target checkpoint (a folder or a Hub
+    id org/name[@rev]) with --draft and flags; into -o BUNDLE, or without -o into the engine
+    cache (--cache-dir DIR, $EDGEBUILD_CACHE_DIR or ~/.cache/edgebuild: built once, reused
+    while nothing that decides the engines changed).
 
     A vision-language target (its config.json has a vision_config) also gets the `visual`
     role: its vision tower, exported from the same checkpoint into BUNDLE/visual/.
     """
-    from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
+    from edgebuild.bundle.build import BuildOptions, build_bundle
     from edgebuild.errors import ConfigError
-    from edgebuild.recipe import load_recipe
 
-    given = {k: v for k, v in flags.items() if v is not None}
-    if source.is_file():
-        if given or draft is not None:
-            raise ConfigError(
-                f"{source} is a recipe: set {', '.join(sorted(given)) or '--draft'} in the "
-                "recipe instead of on the command line"
-            )
-        recipe = load_recipe(source)
-    else:
-        spec_keys = {"num_speculative_tokens", "draft_top_k"}
-        build_kw = {k: v for k, v in given.items() if k in _BUILD_FLAGS}
-        spec_kw = {k: v for k, v in given.items() if k in spec_keys}
-        recipe = recipe_from_flags(
-            source,
-            draft,
-            device=given.get("device", "thor"),
-            precision=given.get("precision"),
-            **spec_kw,
-            **build_kw,
+    if out is not None and cache_dir is not None:
+        raise ConfigError(
+            "give -o BUNDLE (a folder) or --cache-dir DIR (the engine cache), not both"
         )
+    recipe, sources = _build_recipe(source, draft, revision, flags)
     options = BuildOptions(
         onnx_only=onnx_only,
         portable=portable,
@@ -346,10 +364,71 @@ def build(source, draft, out, onnx_only, portable, builder, plugin_library, timi
         force=force,
         progress=not no_progress,
     )
-    result = build_bundle(recipe, out, options)
-    m = result.manifest
-    click.echo(f"bundle {result.path}: roles {', '.join(m['roles'])} ({m['graph_kind']} graphs)")
+    if out is not None:
+        result = build_bundle(recipe, out, options, sources)
+        path, m = result.path, result.manifest
+    else:
+        path, m = _build_into_cache(recipe, sources, options, cache_dir)
+    click.echo(f"bundle {path}: roles {', '.join(m['roles'])} ({m['graph_kind']} graphs)")
     click.echo(f"engines: {m['engines']['status']}")
+
+
+def _build_recipe(source: str, draft: str | None, revision: str | None, flags: dict):
+    """The recipe of ``edgebuild build`` and its resolved sources (a recipe file's, or one
+    made from a checkpoint reference and the flags)."""
+    from edgebuild.bundle.build import recipe_from_flags
+    from edgebuild.errors import ConfigError
+    from edgebuild.recipe import load_recipe
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    if Path(source).is_file():
+        if given or draft is not None or revision is not None:
+            named = (
+                sorted(given)
+                + (["--draft"] if draft else [])
+                + (["--revision"] if revision else [])
+            )
+            raise ConfigError(
+                f"{source} is a recipe: set {', '.join(named)} in the recipe instead of on the "
+                "command line"
+            )
+        return load_recipe(Path(source)).resolved()
+    target = _ref(source, revision)
+    draft_src = _ref(draft, what="draft model") if draft is not None else None
+    spec_keys = {"num_speculative_tokens", "draft_top_k"}
+    recipe = recipe_from_flags(
+        target.path,
+        draft_src.path if draft_src is not None else None,
+        device=given.get("device", "thor"),
+        precision=given.get("precision"),
+        name=target.display_name.replace("/", "--"),
+        **{k: v for k, v in given.items() if k in spec_keys},
+        **{k: v for k, v in given.items() if k in _BUILD_FLAGS},
+    )
+    return recipe, {"target": target, **({"draft": draft_src} if draft_src else {})}
+
+
+def _build_into_cache(recipe, sources, options, cache_dir: Path | None) -> tuple[Path, dict]:
+    """``build --cache-dir``: the entry reused or built; says which, with the time taken."""
+    import time
+
+    from edgebuild.bundle.cache import EngineCache, build_cached
+    from edgebuild.bundle.manifest import read_manifest
+
+    cache = EngineCache(cache_dir)
+    t0 = time.perf_counter()
+
+    def on_event(kind: str, info: dict) -> None:
+        if kind == "waiting":
+            click.echo(f"waiting for {info['holder']}, which builds the same entry", err=True)
+        elif kind == "refused":
+            click.echo(f"cache entry refused ({'; '.join(info['problems'])}); rebuilding", err=True)
+
+    result = build_cached(recipe, options, cache, sources, on_event)
+    took = time.perf_counter() - t0
+    how = "cache hit" if result.hit else "built"
+    click.echo(f"{how}: {result.path} (key {result.key}, {took:.2f} s)")
+    return result.path, read_manifest(result.path)
 
 
 @main.command()
@@ -373,6 +452,114 @@ def verify(bundle: Path, no_sources: bool) -> None:
             f"build of {bundle.name} removes it, or delete it",
             err=True,
         )
+
+
+# ---------------------------------------------------------------------- cache
+CACHE_DIR_OPTION = click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The engine cache (default: $EDGEBUILD_CACHE_DIR, else ~/.cache/edgebuild).",
+)
+
+
+@main.group()
+def cache() -> None:
+    """The engine cache: bundles built once per sources, settings, device and toolchain."""
+
+
+def _when(ts: float | None) -> str:
+    import time
+
+    if not ts:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+def _entry_sources(entry: dict) -> str:
+    out = []
+    for role, ident in sorted(((entry.get("material") or {}).get("sources") or {}).items()):
+        if "repo_id" in ident:
+            out.append(f"{role}={ident['repo_id']}@{str(ident.get('commit'))[:12]}")
+        else:
+            out.append(f"{role}={Path(ident.get('local', '?')).name}")
+    return " ".join(out) or "-"
+
+
+@cache.command("list")
+@CACHE_DIR_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_friendly
+def cache_list(cache_dir: Path | None, as_json: bool) -> None:
+    """Each entry: key, name, sources, size, build time, created, last use, status."""
+    from edgebuild.bundle.cache import EngineCache
+
+    store = EngineCache(cache_dir)
+    entries = store.entries()
+    if as_json:
+        click.echo(json.dumps(entries, indent=2, sort_keys=True))
+        return
+    click.echo(f"engine cache {store.root}: {len(entries)} entries")
+    for e in entries:
+        size = (e.get("size") or 0) / 2**20
+        click.echo(
+            f"{e['key']}  {e.get('name') or '-'}  {_entry_sources(e)}  {size:.1f} MiB  "
+            f"built {e.get('build_s', '-')} s  created {_when(e.get('created'))}  "
+            f"last used {_when(e.get('last_used'))}  {e['status']}"
+        )
+
+
+@cache.command("verify")
+@click.argument("keys", nargs=-1)
+@CACHE_DIR_OPTION
+@_friendly
+def cache_verify(keys: tuple[str, ...], cache_dir: Path | None) -> None:
+    """Re-hash every byte of the entries (all, or KEYS) and their sources; exit 2 on a bad one."""
+    from edgebuild.bundle.cache import EngineCache
+    from edgebuild.errors import BundleError
+
+    store = EngineCache(cache_dir)
+    bad = 0
+    for key in keys or [e["key"] for e in store.entries()]:
+        try:
+            store.verify(key)
+            click.echo(f"ok: {key}")
+        except BundleError as exc:
+            bad += 1
+            click.secho(f"bad: {key}: {exc}", fg="red", err=True)
+    if bad:
+        click.secho(
+            f"error: {bad} entries do not verify; `edgebuild cache prune` or rebuild",
+            fg="red",
+            err=True,
+        )
+        sys.exit(2)
+
+
+@cache.command("prune")
+@CACHE_DIR_OPTION
+@click.option("--older-than", default=None, help="Remove entries unused for this long (30d, 12h).")
+@click.option(
+    "--max-size", default=None, help="Then remove least recently used down to this (50G)."
+)
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@_friendly
+def cache_prune(cache_dir, older_than, max_size, dry_run) -> None:
+    """Remove old or least recently used entries (and incomplete ones, always)."""
+    from edgebuild.bundle.cache import EngineCache, parse_age, parse_size
+
+    store = EngineCache(cache_dir)
+    removed = store.prune(
+        parse_age(older_than) if older_than else None,
+        parse_size(max_size) if max_size else None,
+        dry_run=dry_run,
+    )
+    verb = "would remove" if dry_run else "removed"
+    for e in removed:
+        click.echo(
+            f"{verb} {e['key']} ({e.get('name') or '-'}, {(e.get('size') or 0) / 2**20:.1f} MiB)"
+        )
+    click.echo(f"{verb} {len(removed)} entries")
 
 
 if __name__ == "__main__":

@@ -44,3 +44,21 @@ def smollm2_llm(smollm2_dir):
     from edgebuild.runtime.llm import LLM
 
     return LLM(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def nvfp4_dir(smollm2_dir) -> Path:
+    """examples/smollm2-135m-nvfp4 (NVFP4 weights and lm_head), made on first use."""
+    pytest.importorskip("modelopt.torch.quantization")
+    from edgebuild.example import nvfp4_dir_for, prepare_smollm2_nvfp4
+
+    return prepare_smollm2_nvfp4(smollm2_dir, nvfp4_dir_for(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory, smollm2_dir, nvfp4_dir):
+    """A Hub cache in huggingface_hub's on-disk layout holding the example pair under three
+    ids (:data:`tests.hub_fixtures.IDS`); tests point ``HF_HUB_CACHE`` at it (offline)."""
+    from hub_fixtures import publish_example_pair
+
+    return publish_example_pair(tmp_path_factory.mktemp("hub") / "hub", smollm2_dir, nvfp4_dir)

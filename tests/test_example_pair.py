@@ -38,15 +38,6 @@ def _held_out(k: int) -> list[str]:
     return [r["prompt"] for r in rows[:k]]
 
 
-@pytest.fixture(scope="session")
-def nvfp4_dir(smollm2_dir) -> Path:
-    """examples/smollm2-135m-nvfp4 (NVFP4 weights and lm_head), made on first use."""
-    pytest.importorskip("modelopt.torch.quantization")
-    from edgebuild.example import nvfp4_dir_for, prepare_smollm2_nvfp4
-
-    return prepare_smollm2_nvfp4(smollm2_dir, nvfp4_dir_for(smollm2_dir))
-
-
 def test_shipped_draft_is_a_headless_dspark_draft_model():
     cfg = json.loads((DRAFT / "config.json").read_text())
     assert cfg["architectures"] == ["DSparkDraftModel"]

@@ -39,6 +39,9 @@ UNITS = {
     "edgebuild.inspect": "app",
     "edgebuild.example": "app",
     "edgebuild.cli": "app",
+    "edgebuild.deploy": "app",
+    "edgebuild.serve.cli": "app",  # the entry point composes serve, bundle and runtime
+    "edgebuild.serve.__main__": "app",
 }
 
 # unit -> units it may import directly (DESIGN.md, "The parts" and the picture).

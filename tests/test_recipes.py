@@ -66,7 +66,9 @@ def test_each_shipped_recipe_validates(path):
 
 def test_production_recipe_validates_without_its_weights():
     recipe = load_recipe(ROOT / "recipes" / "qwen3.8-27b-nvfp4-dspark-thor.yaml")
-    assert not recipe.resolve(recipe.target).exists()
+    assert not recipe._local_path(recipe.target).exists()  # nothing resolved or fetched
+    assert recipe.target.repo == "RadixArk/Qwen3.8-27B-NVFP4"
+    assert recipe.speculative_config()["model"] == "RadixArk/Qwen3.8-27B-DSpark"
     b = recipe.build
     assert (b.device, b.precision) == (Device.THOR, Precision.NVFP4)
     assert (b.max_batch_size, b.max_input_len, b.max_kv_cache_capacity) == (4, 32768, 65536)

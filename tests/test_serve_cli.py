@@ -42,7 +42,19 @@ def test_backend_tensorrt_without_gpu_is_a_clear_startup_error(tmp_path):
 
 
 def test_cli_backend_tensorrt_exits_2_with_the_reason(smollm2_dir):
+    # a checkpoint: the server would build engines, but this machine cannot
     result = CliRunner().invoke(main, [str(smollm2_dir), "--backend", "tensorrt"])
+    assert result.exit_code == 2
+    assert "--backend tensorrt cannot build engines for" in result.output
+    assert "tensorrt Python module is not installed" in result.output
+    assert "no CUDA GPU is visible" in result.output
+
+
+def test_cli_backend_tensorrt_on_a_bundle_without_engines_exits_2(tmp_path, smollm2_dir):
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text('{"engines": {"status": "not built: --onnx-only"}}')
+    result = CliRunner().invoke(main, [str(bundle), "--backend", "tensorrt"])
     assert result.exit_code == 2
     assert "--backend tensorrt cannot run" in result.output
     assert "no built *.engine files" in result.output
@@ -115,7 +127,7 @@ def test_entry_point_serves_and_stops_cleanly_on_sigterm(smollm2_dir):
         out, _ = proc.communicate(timeout=60)
         # uvicorn re-raises the signal once shutdown is complete
         assert proc.returncode in (0, -signal.SIGTERM), out
-        assert "backend: torch (TensorRT not usable" in out
+        assert "backend: torch (no engines: the tensorrt Python module is not installed" in out
         assert "Application shutdown complete" in out
     finally:
         if proc.poll() is None:

@@ -22,10 +22,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from edgebuild.checkpoint.hub import split_ref
 from edgebuild.errors import RequestError
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.serve import media
-from edgebuild.serve.config import ServeState
+from edgebuild.serve.config import ServeConfig, ServeState
 from edgebuild.serve.errors import APIError, bad_request, from_request_error, install_handlers
 from edgebuild.serve.protocol import (
     ChatCompletionRequest,
@@ -34,6 +35,7 @@ from edgebuild.serve.protocol import (
     ModelList,
     parse_request,
 )
+from edgebuild.serve.startup import RETRY_AFTER_S, Startup
 from edgebuild.serve.streaming import (
     chat_response,
     chat_stream,
@@ -46,12 +48,33 @@ log = logging.getLogger("edgebuild.serve")
 
 # a UTF-16 surrogate, escaped (\\ud800) or as raw bytes, which json accepts but no tokenizer can
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/health/live",
+    "/metrics",
+)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _state(request: Request) -> ServeState:
-    return request.app.state.serve
+    """The loaded server state; 503 (``model_not_ready``, ``Retry-After``) while the server
+    is still starting (downloading, building engines, loading: :mod:`edgebuild.serve.startup`)."""
+    state = request.app.state.serve
+    if state is None:
+        startup = request.app.state.startup
+        info = startup.snapshot() if startup is not None else {"stage": "starting"}
+        raise APIError(
+            503,
+            f"the model is not ready yet: {info['stage']} ({info.get('elapsed_s', 0)} s so far); "
+            "retry later (GET /health reports the progress)",
+            None,
+            "model_not_ready",
+            retry_after=RETRY_AFTER_S,
+        )
+    return state
 
 
 # ---------------------------------------------------------------------- request checks
@@ -61,7 +84,7 @@ async def require_api_key(request: Request) -> None:
     With --api-key every route needs the key except `/health` (a liveness probe that says
     only ok / unavailable): `/v1/*`, `/metrics`, `/docs`, `/redoc` and `/openapi.json`.
     """
-    key = _state(request).config.api_key
+    key = request.app.state.config.api_key
     if key is None:
         return
     header = request.headers.get("authorization", "")
@@ -243,6 +266,13 @@ async def completion_prompt(state: ServeState, req: CompletionRequest) -> list[i
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
+def model_root(config: ServeConfig) -> str:
+    """What ``/v1/models`` shows as ``root``: the Hub id, else the model folder's name."""
+    if config.is_hub_model:
+        return split_ref(str(config.model))[0]
+    return Path(config.model).name
+
+
 @v1.get("/models")
 async def list_models(request: Request):
     """The served model with its real limits."""
@@ -251,7 +281,7 @@ async def list_models(request: Request):
     card = ModelCard(
         id=state.config.model_name,
         created=state.created,
-        root=Path(state.config.model).name,  # never the absolute path of the model folder
+        root=model_root(state.config),  # the Hub id, or the folder's name: never its path
         max_model_len=state.max_model_len,
         max_input_len=state.llm.options.max_input_len,
         speculative=None
@@ -296,10 +326,21 @@ async def completions(request: Request):
 
 
 async def health(request: Request):
-    """200 while the scheduler's worker runs, else 503."""
-    if _state(request).scheduler.alive:
+    """Readiness: 200 while the scheduler's worker runs; 503 while starting (with the stage,
+    elapsed seconds and ``Retry-After``: :mod:`edgebuild.serve.startup`) or shutting down."""
+    state = request.app.state.serve
+    if state is None:
+        startup = request.app.state.startup
+        body = startup.snapshot() if startup is not None else {"status": "starting"}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if state.scheduler.alive:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+async def live(request: Request):
+    """Liveness: 200 while the process runs, also while it builds or loads the model."""
+    return JSONResponse({"status": "alive"})
 
 
 async def metrics(request: Request):
@@ -311,8 +352,8 @@ async def metrics(request: Request):
 class HTTPMetricsMiddleware:
     """Counts responses by route and status (pure ASGI: streaming passes through untouched)."""
 
-    def __init__(self, app, state: ServeState):
-        self.app, self.state = app, state
+    def __init__(self, app, holder):
+        self.app, self.holder = app, holder  # holder.serve: the ServeState once loaded
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -329,7 +370,9 @@ class HTTPMetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.state.metrics.http_responses.labels(route, str(status)).inc()
+            state = self.holder.serve
+            if state is not None:  # responses while starting are not counted
+                state.metrics.http_responses.labels(route, str(status)).inc()
 
 
 def _add_docs(app: FastAPI, dependencies: list) -> None:
@@ -350,36 +393,58 @@ def _add_docs(app: FastAPI, dependencies: list) -> None:
         )
 
 
-def create_app(state: ServeState) -> FastAPI:
-    """The application; its lifespan starts the scheduler and, on shutdown, joins it."""
+def _begin_serving(app: FastAPI, state: ServeState) -> None:
+    """Start the scheduler's worker, then let requests in (``app.state.serve``)."""
+    state.scheduler.start()
+    app.state.serve = state
+    cfg = state.config
+    log.info(
+        "serving %s (%s backend%s), max batch %d, max model len %d",
+        cfg.model_name,
+        state.backend.name,
+        f", {state.llm.speculative.method}" if state.llm.speculative else "",
+        cfg.max_batch_size,
+        state.max_model_len,
+    )
+
+
+def create_app(
+    state: ServeState | None = None,
+    startup: Startup | None = None,
+    config: ServeConfig | None = None,
+    on_startup_error=None,
+) -> FastAPI:
+    """The application over a loaded ``state``, or over a ``startup`` that loads it on a thread
+    while the app already answers (``/health`` 503 ``building`` ..., ``/health/live`` 200;
+    :mod:`edgebuild.serve.startup`); ``on_startup_error(exc)`` is called if that load fails.
+    Its lifespan starts the scheduler and, on shutdown, joins it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.scheduler.start()
-        cfg = state.config
-        log.info(
-            "serving %s (%s backend%s), max batch %d, max model len %d",
-            cfg.model_name,
-            state.backend.name,
-            f", {state.llm.speculative.method}" if state.llm.speculative else "",
-            cfg.max_batch_size,
-            state.max_model_len,
-        )
+        if startup is not None:
+            startup.run(lambda st: _begin_serving(app, st), on_startup_error or (lambda exc: None))
+        else:
+            _begin_serving(app, state)
         try:
             yield
         finally:
-            await asyncio.to_thread(state.scheduler.close)
-            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            st = app.state.serve
+            if st is not None:
+                await asyncio.to_thread(st.scheduler.close)
+                st.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title="edgellm-serve", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
     )
-    app.state.serve = state
+    app.state.serve = None
+    app.state.startup = startup
+    app.state.config = config if config is not None else state.config
     install_handlers(app)
     app.include_router(v1)
     keyed = [Depends(require_api_key)]  # see require_api_key for which routes need the key
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health/live", live, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=keyed)
     _add_docs(app, keyed)
-    app.add_middleware(HTTPMetricsMiddleware, state=state)
+    app.add_middleware(HTTPMetricsMiddleware, holder=app.state)
     return app

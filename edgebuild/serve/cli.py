@@ -1,6 +1,11 @@
-"""`edgellm-serve MODEL_OR_BUNDLE`: the OpenAI-compatible daemon (FastAPI + uvicorn).
+"""`edgellm-serve MODEL`: the OpenAI-compatible daemon (FastAPI + uvicorn).
 
-Flags map one to one onto :class:`edgebuild.serve.config.ServeConfig` fields.
+MODEL is a checkpoint folder, a Hub id (``org/name[@revision]``) or a bundle. Flags map one
+to one onto :class:`edgebuild.serve.config.ServeConfig` fields. What runs is decided by
+:mod:`edgebuild.deploy` (engines from the engine cache where TensorRT can build them, else the
+torch runtime); references and flags are checked before the server listens, the engine build
+and the model load run while it already answers (``/health`` says ``building``:
+:mod:`edgebuild.serve.startup`).
 """
 
 from __future__ import annotations
@@ -14,18 +19,26 @@ import click
 from edgebuild.errors import EdgebuildError
 from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from edgebuild.serve.config import BACKENDS, ServeConfig, load_state
+from edgebuild.serve.config import BACKENDS, ServeConfig
 from edgebuild.speculative.registry import speculative_help
 
 SPECULATIVE_HELP = speculative_help()  # the methods of the registry
 
 
 @click.command(context_settings={"show_default": True})
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model")
 @click.option(
     "--speculative-config",
     default=None,
     help=SPECULATIVE_HELP,
+)
+@click.option("--revision", default=None, help="Hub revision of MODEL (branch, tag or commit).")
+@click.option(
+    "--cache-dir",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Engine cache: engines built at start-up are kept and reused here "
+    "(default: $EDGEBUILD_CACHE_DIR, else ~/.cache/edgebuild).",
 )
 @click.option("--host", default="127.0.0.1", help="Address to listen on.")
 @click.option("--port", default=8000, type=int)
@@ -87,17 +100,26 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
 )
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning"]))
 def main(log_level: str, **flags) -> None:
-    """Serve MODEL_OR_BUNDLE over an OpenAI-compatible HTTP API."""
+    """Serve MODEL (checkpoint folder, Hub id org/name[@rev], or bundle) over an OpenAI API."""
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from edgebuild.deploy import serve_loader
+    from edgebuild.serve.server import EdgeServer
+    from edgebuild.serve.startup import Startup
+
     config = ServeConfig(**flags)
     try:
-        state = load_state(config)
+        config.validate()
+        load = serve_loader(config)  # resolves and decides now: a bad id fails at once
     except EdgebuildError as exc:
         click.secho(f"error: {exc}", fg="red", err=True)
         sys.exit(2)
-
-    from edgebuild.serve.server import EdgeServer
-
-    EdgeServer(state, log_level).run()
+    server = EdgeServer(None, log_level, startup=Startup(load), config=config)
+    server.run()
+    if server.startup_error is not None:
+        exc = server.startup_error
+        if not isinstance(exc, EdgebuildError):
+            logging.getLogger("edgebuild.serve").error("start-up failed", exc_info=exc)
+        click.secho(f"error: {exc}", fg="red", err=True)
+        sys.exit(2)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from edgebuild.checkpoint.hub import is_hub_id, split_ref
 from edgebuild.errors import ConfigError
 from edgebuild.runtime.cpu import resolve_dtype, set_cpu_threads
 from edgebuild.runtime.llm import LLM, RuntimeOptions
@@ -29,7 +30,10 @@ class ServeConfig:
     """Settings of one `edgellm-serve` process.
 
     Attributes:
-        model: checkpoint or bundle directory.
+        model: checkpoint or bundle directory, or a Hub id (``org/name[@revision]``).
+        revision: the Hub revision of ``model`` (branch, tag or commit; ``--revision``).
+        cache_dir: the engine cache (``--cache-dir``; None: ``$EDGEBUILD_CACHE_DIR``, else
+            ``~/.cache/edgebuild``): where engines built at start-up are kept and reused.
         speculative_config: the `--speculative-config` JSON (None = target only).
         host, port: where to listen.
         api_key: required `Authorization: Bearer` key for /v1 (None = open).
@@ -59,8 +63,10 @@ class ServeConfig:
             prompts shares one prefill pass (Triton's max_queue_delay; 0 = off).
     """
 
-    model: Path
+    model: str | Path
     speculative_config: str | None = None
+    revision: str | None = None
+    cache_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -119,12 +125,26 @@ class ServeConfig:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         resolve_dtype(self.dtype)  # ConfigError naming --dtype
-        if not Path(self.model).exists():
-            raise ConfigError(f"model directory {self.model} does not exist")
+        if not Path(self.model).exists() and not is_hub_id(split_ref(str(self.model))[0]):
+            raise ConfigError(
+                f"model {self.model}: no such directory, and not a Hugging Face Hub id "
+                "(org/name[@revision])"
+            )
+
+    @property
+    def is_hub_model(self) -> bool:
+        """``model`` names a Hub id (no local folder of that name exists)."""
+        return not Path(self.model).is_dir() and is_hub_id(split_ref(str(self.model))[0])
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).resolve().name
+        """The ``model`` clients send: --served-model-name, else the Hub id as given (vLLM's
+        default), else the folder's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.is_hub_model:
+            return split_ref(str(self.model))[0]
+        return Path(self.model).resolve().name
 
 
 @dataclass
@@ -197,15 +217,54 @@ class ServeState:
         return spec.num_speculative_tokens if spec is not None else 0
 
 
-def load_state(config: ServeConfig) -> ServeState:
+@dataclass(frozen=True)
+class ServePlan:
+    """What a server loads, once references are resolved and engines built or found.
+
+    Attributes:
+        model: a checkpoint folder or a bundle folder.
+        backend: the backend that runs it, and why.
+        speculative: the speculative config (parsed, or its JSON; None: target only or the
+            bundle's own draft).
+        verify_bundle: re-hash a bundle before loading (False: the engine cache just checked
+            it, so the start reads no weights).
+    """
+
+    model: Path
+    backend: BackendChoice
+    speculative: object = None
+    verify_bundle: bool = True
+
+
+def default_plan(config: ServeConfig) -> ServePlan:
+    """The plan of ``edgellm-serve MODEL`` without engine building: the model reference
+    resolved (a Hub id into the Hub cache) and the backend chosen by
+    :func:`~edgebuild.runtime.select.select_backend` (logged).
+
+    Raises:
+        CheckpointError: a Hub id that cannot be resolved.
+        ConfigError: ``--backend tensorrt`` that cannot run the model.
+    """
+    from edgebuild.checkpoint.hub import resolve_model_ref
+
+    model = resolve_model_ref(config.model, config.revision).path
+    backend = select_backend(config.backend, model)
+    log.info("backend: %s (%s)", backend.name, backend.reason)
+    return ServePlan(model, backend, config.speculative_config)
+
+
+def load_state(config: ServeConfig, plan: ServePlan | None = None) -> ServeState:
     """Validate the settings, choose the backend (logged) and load the model.
+
+    Args:
+        config: the server's settings.
+        plan: what to load (None: :func:`default_plan`).
 
     Raises:
         ConfigError / CheckpointError / PairingError: before serving anything.
     """
     config.validate()
-    backend = select_backend(config.backend, Path(config.model))
-    log.info("backend: %s (%s)", backend.name, backend.reason)
+    plan = plan or default_plan(config)
     set_cpu_threads(config.threads)
     options = RuntimeOptions(
         max_kv_rows=config.max_kv_cache_capacity,
@@ -214,9 +273,10 @@ def load_state(config: ServeConfig) -> ServeState:
         prefill=config.prefill,
     )
     llm = LLM(
-        config.model,
-        speculative=config.speculative_config,
+        plan.model,
+        speculative=plan.speculative,
         options=options,
-        backend=backend.name,
+        backend=plan.backend.name,
+        verify_bundle=plan.verify_bundle,
     )
-    return ServeState.from_llm(config, llm, backend)
+    return ServeState.from_llm(config, llm, plan.backend)

@@ -1,0 +1,226 @@
+"""Model references: Hub ids resolved through huggingface_hub's own code, offline against a Hub
+cache the tests write in its on-disk layout, online against a local stand-in of the Hub's HTTP
+API (:class:`hub_fixtures.FakeHub`). Oracles: the cache's ``refs/main`` and snapshot folders,
+the requests the server saw, and target-only decoding of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hub_fixtures import IDS, FakeHub, folder_files, publish
+
+from edgebuild.checkpoint.hub import resolve_model_ref, split_ref
+from edgebuild.cli import main
+from edgebuild.errors import CheckpointError
+from edgebuild.example import example_draft_dir
+
+EDGEBUILD = [sys.executable, "-m", "edgebuild.cli"]
+
+
+@pytest.fixture
+def offline_hub(hub_cache, monkeypatch):
+    """HF_HUB_CACHE at the session's Hub cache, offline."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache["cache"]))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return hub_cache
+
+
+def _snapshot(hub: dict, role: str) -> Path:
+    repo = hub["cache"] / f"models--{IDS[role].replace('/', '--')}"
+    return repo / "snapshots" / (repo / "refs" / "main").read_text()
+
+
+# ---------------------------------------------------------------------- resolution
+def test_an_id_resolves_to_its_snapshot_in_the_hub_cache_offline(offline_hub):
+    src = resolve_model_ref(IDS["bf16"])
+    assert src.path == _snapshot(offline_hub, "bf16")
+    assert src.commit == offline_hub["commits"]["bf16"] and src.revision == "main"
+    assert src.repo_id == IDS["bf16"] and src.display_name == IDS["bf16"]
+    assert (src.path / "config.json").is_symlink()  # the Hub's layout: links into blobs/
+    by_commit = resolve_model_ref(f"{IDS['bf16']}@{src.commit}")
+    assert by_commit.path == src.path
+
+
+def test_a_revision_picks_another_snapshot(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    main_commit = publish(cache, "org/draft", example_draft_dir())
+    v1 = publish(cache, "org/draft", example_draft_dir(), revision="v1", commit="1" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert resolve_model_ref("org/draft").commit == main_commit
+    assert resolve_model_ref("org/draft@v1").commit == v1 == "1" * 40
+    assert resolve_model_ref("org/draft", "v1").path.name == v1
+    with pytest.raises(CheckpointError, match="names revision 'v1' but --revision is 'v2'"):
+        split_ref("org/draft@v1", "v2")
+
+
+def test_a_local_folder_wins_over_an_id_of_the_same_spelling(tmp_path, monkeypatch):
+    folder = tmp_path / "org" / "name"
+    folder.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    src = resolve_model_ref("org/name")
+    assert not src.is_hub and src.path == Path("org/name")
+
+
+# ---------------------------------------------------------------------- the commands take ids
+def test_inspect_takes_ids_for_target_and_draft(offline_hub):
+    result = CliRunner().invoke(main, ["inspect", IDS["nvfp4"], "--draft", IDS["draft"], "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["model"] == f"{IDS['nvfp4']}@{offline_hub['commits']['nvfp4']}"
+    assert report["target"]["quant_format"] == "NVFP4"
+    assert report["draft"]["path"] == str(_snapshot(offline_hub, "draft"))
+
+
+def test_run_compare_takes_ids_and_dspark_equals_target_only(offline_hub):
+    spec = json.dumps({"method": "dspark", "model": IDS["draft"], "num_speculative_tokens": 7})
+    args = ["run", IDS["bf16"], "--prompt", "The capital of France is", "--max-tokens", "16"]
+    result = CliRunner().invoke(
+        main, [*args, "--threads", "1", "--speculative-config", spec, "--compare", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{") :])
+    assert report["mode"] == "dspark" and report["identical_to_target_only"] == [True]
+    assert report["metrics"]["generated_tokens"] == 16
+
+
+def test_build_records_the_hub_commits_and_verify_checks_them(offline_hub, tmp_path):
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(
+        main,
+        ["build", IDS["bf16"], "--draft", IDS["draft"], "-o", str(out), "--onnx-only",
+         "--no-progress", "--max-input-len", "64", "--max-kv-cache-capacity", "128"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    for role, key in (("target", "bf16"), ("draft", "draft")):
+        hub = manifest["sources"][role]["hub"]
+        assert hub == {
+            "repo_id": IDS[key],
+            "revision": "main",
+            "commit": offline_hub["commits"][key],
+        }
+        assert manifest["sources"][role]["path"] == str(_snapshot(offline_hub, key))
+    assert manifest["name"] == IDS["bf16"].replace("/", "--")
+    ok = CliRunner().invoke(main, ["verify", str(out)])
+    assert ok.exit_code == 0, ok.output
+    # a manifest whose commit is not the snapshot it names is refused by verify
+    manifest["sources"]["draft"]["hub"]["commit"] = "0" * 40
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    bad = CliRunner().invoke(main, ["verify", str(out)])
+    assert bad.exit_code == 2
+    assert f"{IDS['draft']} was built from commit {'0' * 40}" in bad.output
+
+
+# ---------------------------------------------------------------------- offline errors
+def _cli_error(args: list[str], env: dict) -> tuple[int, str]:
+    r = subprocess.run(
+        [*EDGEBUILD, *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_offline_and_not_cached_names_the_id_the_cache_and_the_command(tmp_path):
+    cache = tmp_path / "empty-hub"
+    code, out = _cli_error(
+        ["inspect", "org/not-there"], {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    )
+    assert code == 2, out
+    assert "error: model org/not-there@main is not in the Hub cache" in out
+    assert str(cache) in out and "HF_HUB_OFFLINE is set" in out
+    assert "hf download org/not-there" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"config.json": b"{}", "pytorch_model.bin": b"x"}, "has no safetensors weights (it has pytorch_model.bin)"),
+        ({"config.json": b"{}", "model-q4.gguf": b"x"}, "has no safetensors weights (it has model-q4.gguf)"),
+        ({"README.md": b"# a dataset card"}, "is not a model checkpoint: it has no config.json"),
+        ({"config.json": b"{}", "tokenizer.json": b"{}"}, "has a config but no weights; download them"),
+    ],
+    ids=["bin-only", "gguf-only", "not-a-checkpoint", "incomplete-snapshot"],
+)  # fmt: skip
+def test_a_cached_repo_that_is_not_a_safetensors_checkpoint_is_refused(tmp_path, files, message):
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    cache = tmp_path / "hub"
+    publish(cache, "org/odd", folder)
+    code, out = _cli_error(
+        ["inspect", "org/odd"], {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    )
+    assert code == 2, out
+    assert message in out and "org/odd" in out
+    assert "Traceback" not in out
+
+
+# ---------------------------------------------------------------------- online (a local Hub)
+@pytest.fixture(scope="module")
+def fake_hub():
+    hub = FakeHub()
+    files = folder_files(example_draft_dir())
+    files["pytorch_model.bin"] = b"pickled duplicate of the weights"
+    files["onnx/model.safetensors"] = b"a subfolder edgebuild does not read"
+    hub.add("org/draft", files)
+    hub.add("org/gated", {"config.json": b"{}"}, gated=True)
+    hub.add("org/private", {"config.json": b"{}"}, private=True)
+    hub.add("org/binonly", {"config.json": b"{}", "pytorch_model.bin": b"x"})
+    hub.add("org/notckpt", {"README.md": b"hi"})
+    url = hub.start()
+    yield hub, url
+    hub.stop()
+
+
+def _online(url: str, cache: Path, **env) -> dict:
+    return {"HF_ENDPOINT": url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(cache), **env}
+
+
+def test_online_download_fetches_only_what_edgebuild_reads_with_the_hubs_bars(fake_hub, tmp_path):
+    hub, url = fake_hub
+    hub.requests.clear()
+    code, out = _cli_error(["inspect", "org/draft"], _online(url, tmp_path / "hub"))
+    assert code == 0, out
+    fetched = sorted(
+        {p.rsplit("/", 1)[1] for m, p in hub.requests if m == "GET" and "/resolve/" in p}
+    )
+    assert fetched == ["config.json", "model.safetensors"]  # no .bin, README, PNG or onnx/
+    assert "Fetching 1 files" in out  # huggingface_hub's own progress bar
+    commit = hub.repos["org/draft"]["commit"]
+    snapshot = tmp_path / "hub" / "models--org--draft" / "snapshots" / commit
+    assert (snapshot / "model.safetensors").read_bytes() == (
+        example_draft_dir() / "model.safetensors"
+    ).read_bytes()
+    # the filled cache then serves offline, as any other tool's cache would
+    code, out = _cli_error(
+        ["inspect", "org/draft"], {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    )
+    assert code == 0 and f"org/draft@{commit}" in out, out
+
+
+@pytest.mark.parametrize(
+    "ref, env, message",
+    [
+        ("org/gated", {}, "the repo is gated: accept its licence at https://huggingface.co/org/gated"),
+        ("org/private", {"HF_TOKEN": "hf_not_a_token"}, "unauthorised (401); set HF_TOKEN to a valid token"),
+        ("org/missing", {}, "no such repo on the Hub, or it is private and no valid token was sent"),
+        ("org/draft@no-such-branch", {}, "the repo has no revision 'no-such-branch'"),
+        ("org/binonly", {}, "has no safetensors weights (it has pytorch_model.bin)"),
+        ("org/notckpt", {}, "is not a model checkpoint: it has no config.json"),
+    ],
+    ids=["gated", "401", "unknown-id", "unknown-revision", "bin-only", "not-a-checkpoint"],
+)  # fmt: skip
+def test_online_errors_name_the_fix(fake_hub, tmp_path, ref, env, message):
+    _, url = fake_hub
+    code, out = _cli_error(["inspect", ref], _online(url, tmp_path / "hub", **env))
+    assert code == 2, out
+    assert message in out, out
+    assert "Traceback" not in out
