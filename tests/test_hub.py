@@ -224,3 +224,84 @@ def test_online_errors_name_the_fix(fake_hub, tmp_path, ref, env, message):
     assert code == 2, out
     assert message in out, out
     assert "Traceback" not in out
+
+
+# ---------------------------------------------------------------------- the one-line deployment
+def test_build_ids_into_the_engine_cache_twice_the_second_is_a_hit(offline_hub, tmp_path):
+    args = ["build", IDS["nvfp4"], "--draft", IDS["draft"], "--cache-dir", str(tmp_path / "c"),
+            "--onnx-only", "--no-progress", "--max-input-len", "64",
+            "--max-kv-cache-capacity", "128"]  # fmt: skip
+    first = CliRunner().invoke(main, args)
+    second = CliRunner().invoke(main, args)
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    assert "built: " in first.output and "cache hit" not in first.output
+    assert "cache hit: " in second.output
+    key = first.output.split("(key ")[1].split(",")[0]
+    assert f"(key {key}," in second.output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_seed_line_serves_the_pair_by_id_with_dspark(hub_cache, tmp_path):
+    """``edgellm-serve ORG/TARGET --cache-dir DIR --speculative-config '{"model":"ORG/DRAFT"}'``
+    as written, offline against the test Hub cache: the torch backend here (no TensorRT),
+    /health 503 ``loading`` while it loads, /v1/models names the id, a chat answer with
+    drafts accepted."""
+    import time
+
+    import httpx
+
+    port = _free_port()
+    spec = {"method": "dspark", "model": IDS["draft"], "num_speculative_tokens": 7}
+    cmd = [sys.executable, "-m", "edgebuild.serve", IDS["nvfp4"],
+           "--cache-dir", str(tmp_path / "cache"), "--speculative-config", json.dumps(spec),
+           "--port", str(port), "--threads", "1"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache["cache"]), "HF_HUB_OFFLINE": "1"}
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url, statuses = f"http://127.0.0.1:{port}", []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                h = httpx.get(f"{url}/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.1)
+                continue
+            statuses.append((h.status_code, h.json().get("status")))
+            if h.status_code == 200:
+                break
+            assert "retry-after" in h.headers
+            time.sleep(0.2)
+        assert statuses[-1] == (200, "ok"), statuses
+        assert (503, "loading") in statuses  # the server listened while it loaded
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [IDS["nvfp4"]]
+        chat = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": IDS["nvfp4"], "max_tokens": 24, "temperature": 0,
+                  "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+            timeout=300,
+        )  # fmt: skip
+        assert chat.status_code == 200, chat.text
+        assert "Paris" in chat.json()["choices"][0]["message"]["content"]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        accepted = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("edgellm_spec_decode_draft_accepted_total")
+        ]
+        assert sum(accepted) > 0, metrics
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert "backend: torch (no engines:" in text and "tensorrt Python module" in text
