@@ -1,6 +1,6 @@
 """edgebuild: Hugging Face checkpoints -> TensorRT engine bundles for NVIDIA Jetson.
 
-Layers (see DESIGN.md): ops -> checkpoint -> models -> export -> engine -> bundle -> runtime ->
+Layers (see docs/ARCHITECTURE.md): ops -> checkpoint -> models -> export -> engine -> bundle -> runtime ->
 serve, with ``speculative`` (config + method registry) and ``recipe`` beside them above
 ``checkpoint``. A layer never imports from a layer that stands after it; the runtime reads
 bundles (``bundle.manifest``) but never imports export, engine (but for

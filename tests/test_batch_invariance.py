@@ -1,7 +1,7 @@
 """A row's bits do not depend on how many rows share its pass: so bf16 DSpark == target-only.
 
 DSpark's promise is the target's own greedy output. It only holds at the serving dtype if a
-1-row decode and row i of an (n+1)-row verify compute the same bits (DESIGN.md "Exactness").
+1-row decode and row i of an (n+1)-row verify compute the same bits (docs/ARCHITECTURE.md, "The runtime": exactness).
 Before the row-invariant attention and the packed linears, 40 of 40 verify rows differed
 from the decode rows in bf16 on the real SmolLM2 (first at layer 3-10: the attention), and
 greedy DSpark left target-only on 5 of 5 prompts.

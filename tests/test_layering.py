@@ -1,6 +1,6 @@
-"""The package's imports follow DESIGN.md's layering (module-level and function-level imports).
+"""The package's imports follow docs/ARCHITECTURE.md's layering (module-level and function-level imports).
 
-DESIGN.md's picture, bottom up: ``checkpoint`` -> ``models`` -> ``export`` -> ``engine`` ->
+docs/ARCHITECTURE.md's picture, bottom up: ``checkpoint`` -> ``models`` -> ``export`` -> ``engine`` ->
 ``bundle`` -> ``runtime`` -> ``serve``, with ``ops`` under ``models`` (and under
 ``checkpoint``'s RoPE config) and "no module imports from a layer below it in the picture"
 (the runtime never imports export; models never import runtime). The runtime reads bundles
@@ -44,7 +44,7 @@ UNITS = {
     "edgebuild.serve.__main__": "app",
 }
 
-# unit -> units it may import directly (DESIGN.md, "The parts" and the picture).
+# unit -> units it may import directly (docs/ARCHITECTURE.md, the flow).
 DEPENDS: dict[str, tuple[str, ...]] = {
     "root": (),
     "errors": (),
@@ -151,7 +151,7 @@ def violations(
 
 def test_every_import_follows_the_layering_of_design_md():
     found = violations(ROOT, "edgebuild", UNITS, DEPENDS)
-    assert not found, "imports against DESIGN.md's layering:\n" + "\n".join(found)
+    assert not found, "imports against docs/ARCHITECTURE.md's layering:\n" + "\n".join(found)
 
 
 def test_every_unit_of_the_rules_is_known():

@@ -3,7 +3,7 @@
 Chunked prefill and the prefix cache hand a request rows computed in other calls than a cold,
 one-pass prefill would use: chunks of the same prompt, a pass shared with other prompts, or
 another request's prefill of the same prefix. Greedy outputs stay the same only if those rows
-are bit-identical (DESIGN.md "Exactness"). The oracle is the prompt run in one pass, alone.
+are bit-identical (docs/ARCHITECTURE.md, "The runtime": exactness). The oracle is the prompt run in one pass, alone.
 
 Measured before the prefill attention path (ops/attention_fast.py): chunks of 32 or 64 rows
 changed the K/V, taps and logits of a 600-token prompt (first at rows >= 256), a 1-row chunk

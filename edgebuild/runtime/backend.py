@@ -129,7 +129,7 @@ class TargetBackend(Protocol):
 
         Prefill (n_b = prompt length), decode (n_b = 1) and verify (n_b = drafts + 1) are this
         one call; each row's numerics must not depend on how many rows share the pass
-        (DESIGN.md, "Exactness").
+        (docs/ARCHITECTURE.md: exactness).
 
         Args:
             seqs: the B sequences; each grows by n_b rows (their K/V written to the cache).
