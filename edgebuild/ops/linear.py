@@ -19,6 +19,8 @@ than the packed kernel for one row), more rows the packed kernel (faster for 8 r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,9 +29,23 @@ MAX_INVARIANT_ROWS = 64  # rows per oneDNN call (checked row-invariant at 1 and 
 QUANT_MODES = ("int8",)  # weight-only modes of PackedLinear (opt-in: `--quant int8`)
 
 
+@functools.cache
 def packing_available(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packed linears can run here for ``dtype`` (fp32 / bf16 on mkldnn builds)."""
-    return bool(torch.backends.mkldnn.is_available()) and dtype in (torch.float32, torch.bfloat16)
+    """Whether oneDNN packed linears can run here for ``dtype`` (fp32 / bf16 on mkldnn builds).
+
+    Probed once per dtype by packing and running a tiny weight: oneDNN's bf16 path needs
+    AVX512-BW/VL/DQ or AVX-NE-CONVERT, which a torch build with mkldnn does not guarantee
+    (``mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...`` on AVX2 hosts).
+    Without it the linears run ``F.linear`` (correct, but not row-invariant in bf16).
+    """
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear:
