@@ -8,6 +8,7 @@ request reaches the scheduler, so an invalid request never costs model work.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from edgebuild.checkpoint.hub import split_ref
 from edgebuild.errors import RequestError
-from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.sampling import SEED_MAX, SamplingParams
 from edgebuild.serve import media
 from edgebuild.serve.config import ServeConfig, ServeState
 from edgebuild.serve.errors import APIError, bad_request, from_request_error, install_handlers
@@ -192,6 +193,11 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
     vocab = state.llm.config.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(
+            f"logit_bias keys must be token ids in [0, {vocab}), got {bad[:5]}", "logit_bias"
+        )
     try:
         state.llm.check_request(prompt_ids, params)
     except RequestError as exc:
@@ -199,6 +205,19 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
             exc, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         ) from None
     return params
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling parameters of the ``n`` choices: with a seed, choice i uses seed + i
+    (seed - i past the top of the seed range), so each choice has its own reproducible
+    stream; without one, each its own random seed."""
+    if params.seed is None:
+        return [params] * n
+    out = []
+    for i in range(n):
+        seed = params.seed + i if params.seed + i <= SEED_MAX else params.seed - i
+        out.append(dataclasses.replace(params, seed=seed))
+    return out
 
 
 async def chat_prompt(state: ServeState, req: ChatCompletionRequest) -> tuple[list[int], list]:
@@ -300,13 +319,14 @@ async def chat_completions(request: Request):
     )
     model = check_model(state, req.model)
     ids, images = await chat_prompt(state, req)
-    params = sampling_for(state, req, ids)
+    params = choice_params(sampling_for(state, req, ids), req.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    ticket = state.scheduler.submit(ids, params, rid, images=images)
+    tickets = state.scheduler.submit_choices(ids, params, rid, images=images)
+    lp = bool(req.logprobs)
     if req.stream:
-        stream = chat_stream(ticket, request, rid, model, req.include_usage)
+        stream = chat_stream(tickets, request, rid, model, req.include_usage, lp)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-    return chat_response(await collect(ticket, request), rid, model).model_dump()
+    return chat_response(await collect(tickets, request), rid, model, lp).model_dump()
 
 
 @v1.post("/completions")
@@ -316,13 +336,22 @@ async def completions(request: Request):
     req = parse_request(CompletionRequest, await read_json(request, state.config.max_request_bytes))
     model = check_model(state, req.model)
     ids = await completion_prompt(state, req)
-    params = sampling_for(state, req, ids)
+    params = choice_params(sampling_for(state, req, ids), req.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    ticket = state.scheduler.submit(ids, params, rid)
+    echo = ""
+    if req.echo:
+        echo = (
+            req.prompt
+            if isinstance(req.prompt, str)
+            else await tokenize(state, state.llm.tokenizer.decode, ids)
+        )
+    tickets = state.scheduler.submit_choices(ids, params, rid)
+    lp = req.logprobs is not None
     if req.stream:
-        stream = completion_stream(ticket, request, rid, model, req.include_usage)
+        stream = completion_stream(tickets, request, rid, model, req.include_usage, lp, echo)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-    return completion_response(await collect(ticket, request), rid, model).model_dump()
+    events = await collect(tickets, request)
+    return completion_response(events, rid, model, lp, echo).model_dump()
 
 
 async def health(request: Request):

@@ -2,8 +2,12 @@
 
 Requests are validated strictly (a string where a number belongs is an error, not a
 coercion); unknown fields are ignored, as OpenAI clients send optional fields freely, but a
-known field asking for something this server cannot do (n > 1, logprobs, tools, penalties)
-is refused with a message naming it. Responses mirror the OpenAI shapes field for field.
+known field asking for something this server cannot do (``best_of``, ``suffix``) is refused
+with a message naming it. Responses mirror the OpenAI shapes field for field.
+
+Log-probabilities are the target model's, from its raw logits: before the penalties,
+logit_bias, temperature and top-k / top-p / min-p (vLLM's default ``raw_logprobs``), one entry
+per generated token (EOS included: the entries count ``usage.completion_tokens``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.serve.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per request
 
 
 class _Strict(BaseModel):
@@ -132,7 +137,10 @@ class _GenerationRequest(_Strict):
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    min_p: float | None = None
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -142,20 +150,36 @@ class _GenerationRequest(_Strict):
 
     def check_supported(self) -> None:
         """Refuse fields whose requested behaviour this server does not implement."""
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (got {self.n}); send one request per choice", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
     def requested_max_tokens(self) -> int | None:
         """The token budget the client asked for (None = server default)."""
         return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per generated token (None = no logprobs)."""
+        return None
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs.
+
+        Raises:
+            APIError: 400 when a key is not a token id.
+        """
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys must be token ids (strings of integers), got {key!r}",
+                    "logit_bias",
+                ) from None
+            out.append((token, value))
+        return tuple(out)
 
     def sampling_params(
         self, default_max_tokens: int, defaults: dict | None = None
@@ -183,6 +207,15 @@ class _GenerationRequest(_Strict):
                 stop=self.stop or (),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                logit_bias=self.bias(),
+                min_tokens=self.min_tokens,
+                min_p=self.min_p or 0.0,
+                logprobs=self.logprob_count(),
             )
         except RequestError as exc:  # the message starts with the field's name
             field_name = str(exc).split(" ", 1)[0]
@@ -208,8 +241,12 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if not self.messages:
             raise bad_request("'messages' must contain at least one message", "messages")
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise bad_request(
+                f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise bad_request("tool calling is not supported by this server", "tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -222,6 +259,9 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
         """Messages as the chat template expects them (`role`, text `content`)."""
@@ -252,16 +292,29 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("batched prompts are not supported; send one prompt per request")
         raise ValueError("prompt must be a string or a list of token ids")
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported by this server", "echo")
-        if self.logprobs is not None:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise bad_request(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs (prompt log-probabilities) is not supported; send echo "
+                "or logprobs",
+                "echo",
+            )
         if self.suffix:
-            raise bad_request("suffix is not supported by this server", "suffix")
+            raise bad_request(
+                "suffix (fill-in-the-middle) is not supported by this server", "suffix"
+            )
         if self.best_of not in (None, 1):
-            raise bad_request("best_of must be 1", "best_of")
+            raise bad_request(
+                "best_of is not supported by this server (it ranks whole sequences); send n "
+                "for several choices",
+                "best_of",
+            )
         if isinstance(self.prompt, str) and not self.prompt:
             raise bad_request("the prompt is empty", "prompt")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -295,20 +348,57 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 # ---------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
-    """Token counts of one request."""
+    """Token counts of one request (all its choices)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
+
+
+class TopLogprob(BaseModel):
+    """A token (its text and UTF-8 bytes) with its log-probability under the target."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's entry, with the ``top_logprobs`` most likely alternatives."""
+
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat ``choices[i].logprobs``: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Text-completion ``choices[i].logprobs`` (the legacy shape): parallel lists."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
 
 
 class AssistantMessage(BaseModel):
@@ -320,7 +410,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -343,7 +433,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -361,7 +451,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
