@@ -22,6 +22,7 @@ import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 
 from edgebuild.checkpoint.hub import split_ref
 from edgebuild.errors import RequestError
@@ -30,10 +31,16 @@ from edgebuild.serve import media
 from edgebuild.serve.config import ServeConfig, ServeState
 from edgebuild.serve.errors import APIError, bad_request, from_request_error, install_handlers
 from edgebuild.serve.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ImagePart,
     ModelCard,
     ModelList,
+    TextPart,
     parse_request,
 )
 from edgebuild.serve.startup import RETRY_AFTER_S, Startup
@@ -284,6 +291,42 @@ async def completion_prompt(state: ServeState, req: CompletionRequest) -> list[i
 # ---------------------------------------------------------------------- routes
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
+# The routes read and validate their bodies by hand (size limit first, then JSON, then the
+# models), so the schema of each body is declared here: the same pydantic models validate.
+_ERRORS = {
+    400: "invalid request: the message names the field and the fix",
+    401: "missing or invalid API key",
+    404: "the model named does not exist",
+    413: "request body over --max-request-bytes",
+    429: "the server is busy (Retry-After)",
+    500: "internal error",
+    503: "starting (model not ready) or shutting down (Retry-After)",
+}
+ERROR_RESPONSES = {
+    code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS.items()
+}
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, TextPart, ImagePart)
+
+
+def _body(model, response, chunk) -> dict:
+    """``openapi_extra`` and ``responses`` of a POST route whose body is `model`."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    sse = {"schema": {"type": "string", "description": f"SSE: data: {chunk.__name__} JSON"}}
+    return {
+        "openapi_extra": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}
+        },
+        "responses": {
+            200: {
+                "model": response,
+                "description": "the completion; with stream: true, server-sent events of "
+                f"{chunk.__name__}, then data: [DONE]",
+                "content": {"text/event-stream": sse},
+            },
+            **ERROR_RESPONSES,
+        },
+    }
+
 
 def model_root(config: ServeConfig) -> str:
     """What ``/v1/models`` shows as ``root``: the Hub id, else the model folder's name."""
@@ -292,7 +335,9 @@ def model_root(config: ServeConfig) -> str:
     return Path(config.model).name
 
 
-@v1.get("/models")
+@v1.get(
+    "/models", response_model=None, responses={200: {"model": ModelList}, 401: ERROR_RESPONSES[401]}
+)
 async def list_models(request: Request):
     """The served model with its real limits."""
     state = _state(request)
@@ -310,7 +355,9 @@ async def list_models(request: Request):
     return ModelList(data=[card]).model_dump()
 
 
-@v1.post("/chat/completions")
+@v1.post(
+    "/chat/completions", **_body(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk)
+)
 async def chat_completions(request: Request):
     """OpenAI chat completions (streamed as SSE with `stream: true`)."""
     state = _state(request)
@@ -329,7 +376,7 @@ async def chat_completions(request: Request):
     return chat_response(await collect(tickets, request), rid, model, lp).model_dump()
 
 
-@v1.post("/completions")
+@v1.post("/completions", **_body(CompletionRequest, CompletionResponse, CompletionResponse))
 async def completions(request: Request):
     """OpenAI text completions: `prompt` is a string or a list of token ids."""
     state = _state(request)
@@ -408,7 +455,7 @@ def _add_docs(app: FastAPI, dependencies: list) -> None:
     """/openapi.json, /docs and /redoc behind the same key as the API."""
 
     async def openapi():
-        return JSONResponse(app.openapi())
+        return JSONResponse(openapi_schema(app))
 
     async def docs():
         return get_swagger_ui_html(openapi_url="/openapi.json", title="edgellm-serve")
@@ -420,6 +467,20 @@ def _add_docs(app: FastAPI, dependencies: list) -> None:
         app.add_api_route(
             path, endpoint, methods=["GET"], dependencies=dependencies, include_in_schema=False
         )
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request models (:data:`REQUEST_MODELS`, validation mode)
+    under ``components.schemas``, where the routes' ``requestBody`` refers to them."""
+    if app.openapi_schema is None:
+        schema = app.openapi()
+        _, defs = models_json_schema(
+            [(m, "validation") for m in REQUEST_MODELS],
+            ref_template="#/components/schemas/{model}",
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _begin_serving(app: FastAPI, state: ServeState) -> None:

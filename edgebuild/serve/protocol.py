@@ -13,9 +13,9 @@ per generated token (EOS included: the entries count ``usage.completion_tokens``
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from edgebuild.errors import RequestError
 from edgebuild.runtime.sampling import SamplingParams
@@ -23,6 +23,40 @@ from edgebuild.serve.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per request
+
+
+# JSON schemas of the fields validated by hand (plain validators take any JSON value)
+_TEXT_PART = {"$ref": "#/components/schemas/TextPart"}
+_IMAGE_PART = {"$ref": "#/components/schemas/ImagePart"}
+_CONTENT = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}},
+            {"type": "null"},
+        ],
+        "title": "Content",
+    }
+)
+_STOP = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16},
+            {"type": "null"},
+        ],
+        "title": "Stop",
+    }
+)
+_PROMPT = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        ],
+        "title": "Prompt",
+    }
+)
 
 
 class _Strict(BaseModel):
@@ -69,7 +103,8 @@ class ChatMessage(_Strict):
     """One chat message; `content` is a string or a list of text / image parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any
+    content: Annotated[Any, _CONTENT]
+    tool_call_id: str | None = None
     name: str | None = None
 
     @field_validator("content", mode="plain")
@@ -129,7 +164,7 @@ class _GenerationRequest(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: Any = None
+    stop: Annotated[Any, _STOP] = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -271,7 +306,7 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions body; `prompt` is a string or a list of token ids."""
 
-    prompt: Any
+    prompt: Annotated[Any, _PROMPT]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -348,6 +383,22 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 # ---------------------------------------------------------------------- responses
+class ErrorDetail(BaseModel):
+    """What went wrong (``message`` says how to fix it) and which field (``param``)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error of the API: 400 bad request, 401 key, 404 model, 413 body size, 429 busy
+    (``Retry-After``), 500 server, 503 starting or shutting down (``Retry-After``)."""
+
+    error: ErrorDetail
+
+
 class PromptTokensDetails(BaseModel):
     """``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
 
