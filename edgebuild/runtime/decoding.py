@@ -44,6 +44,7 @@ from edgebuild.runtime.rejection import RESIDUAL_EPS, verify_batch
 from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
 from edgebuild.runtime.spec_schedule import ConfidenceScheduler
 from edgebuild.runtime.stopping import IncrementalDetokenizer, StopChecker
+from edgebuild.runtime.structured import RequestGrammar
 
 
 @dataclass
@@ -69,6 +70,7 @@ class RequestState:
     prompt_hashes: list[bytes] | None = None
     # params.logprobs set: one entry per output token (raw target logits; runtime/processors.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: RequestGrammar | None = None  # params.grammar's matcher (runtime/structured.py)
 
     @classmethod
     def create(
@@ -199,6 +201,8 @@ class TargetOnlyDecoder:
         st.metrics.generated += len(taken)
         if st.params.logprobs is not None:
             st.logprobs.extend(token_logprobs(rows, taken, st.params.logprobs))
+        if st.grammar is not None:
+            st.grammar.advance(taken)
 
     # ------------------------------------------------------------------ prefix cache
     def _caches(self, has_images: bool) -> bool:
@@ -511,6 +515,10 @@ class DSparkDecoder(TargetOnlyDecoder):
         )
         if self.threshold > 0:
             proposals = [self._cutoff(p) for p in proposals]
+        proposals = [  # the grammar's masks of the rows to verify; refused drafts cut
+            p if s.grammar is None else p.cut(s.grammar.walk(p.tokens))
+            for s, p in zip(live, proposals, strict=True)
+        ]
         dt = time.perf_counter() - t0
         for s in live:
             s.metrics.draft_s += dt / len(live)
@@ -592,6 +600,9 @@ def next_tokens(
     decided together (one argmax over the stacked rows, first index on ties);
     sampled rows draw from :func:`target_probs` with the request's generator.
     """
+    for st in states:
+        if st.grammar is not None:
+            st.grammar.walk([])  # the mask of the one row
     logits = [processed_rows(lg[None], st)[0] for lg, st in zip(logits, states, strict=True)]
     out = torch.stack(logits).argmax(-1).tolist()
     for b, (p, st) in enumerate(zip(params, states, strict=True)):
@@ -603,10 +614,13 @@ def next_tokens(
 def processed_rows(logits: torch.Tensor, st: RequestState, drafts: list[int] = ()) -> torch.Tensor:
     """``logits`` fp32 [R, V] of `st` through its logits processors (row i after its output
     plus ``drafts[:i]``: :func:`edgebuild.runtime.processors.apply_processors`); the same
-    tensor when the request has none."""
-    if not st.params.has_processors:
-        return logits
-    stopper = st.stopper
-    return apply_processors(
-        logits, st.params, st.prompt_ids, stopper.output_ids, drafts, stopper.stop_token_ids
-    )
+    tensor when the request has none. Then the grammar's masks of the rows (set by
+    :meth:`RequestGrammar.walk` over the same drafts) put what it forbids at -inf."""
+    if st.params.has_processors:
+        stopper = st.stopper
+        logits = apply_processors(
+            logits, st.params, st.prompt_ids, stopper.output_ids, drafts, stopper.stop_token_ids
+        )
+    if st.grammar is not None:
+        logits = st.grammar.apply(logits)
+    return logits

@@ -8,6 +8,7 @@ decoder. The scheduler of the server drives the same decoder step by step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from edgebuild.runtime.multimodal import (
 from edgebuild.runtime.prefill import PrefillConfig
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.stopping import IncrementalDetokenizer
+from edgebuild.runtime.structured import GrammarSpec, StructuredOutputs
 from edgebuild.runtime.torch_backend import DEFAULT_PAGE_SIZE, open_torch_runtime
 from edgebuild.speculative.config import SpeculativeConfig
 
@@ -351,8 +353,23 @@ class LLM:
             raise ImageInputError(f"{self.model_dir} has no vision tower: images are not supported")
         if self.vision is not None and (images or self.vision.image_token_id in prompt_ids):
             st.prompt_images = self.vision.prepare(prompt_ids, images or [])
+        if params.grammar is not None:
+            st.grammar = self.structured.matcher(params.grammar)
         self.decoder.start(st)
         return st
+
+    @functools.cached_property
+    def structured(self) -> StructuredOutputs:
+        """The grammar compiler of this tokenizer (xgrammar; built on first use)."""
+        return StructuredOutputs(self.tokenizer, self.config.vocab_size, self.eos_ids())
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` (cached for the request that follows).
+
+        Raises:
+            RequestError: an invalid schema, regex or grammar.
+        """
+        self.structured.compile(spec)
 
     def set_prefill(self, prefill: PrefillConfig) -> None:
         """Use `prefill` (fitted to the page size and max_input_len) from the next step on;

@@ -138,11 +138,12 @@ def _sampled_rows(flat, starts, counts, params, generators, sampled):
 def _correction(p: torch.Tensor, prop: Proposal, a: int, u: torch.Tensor) -> int:
     """The token after ``a`` accepted drafts: from the residual (rejection) or p_n (bonus)."""
     row = p[a]
-    if a < len(prop):
-        if prop.q_ids is None:
-            q_row = prop.q[a].float()
+    if a < len(prop) or prop.rejected is not None:
+        src, i = (prop, a) if a < len(prop) else (prop.rejected, 0)
+        if src.q_ids is None:
+            q_row = src.q[i].float()
         else:
-            q_row = torch.zeros_like(row).scatter_(0, prop.q_ids[a].long(), prop.q[a].float())
+            q_row = torch.zeros_like(row).scatter_(0, src.q_ids[i].long(), src.q[i].float())
         residual = (row - q_row).clamp_min(0.0)
         if float(residual.sum()) > RESIDUAL_EPS:
             row = residual

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edgebuild.errors import RequestError
+from edgebuild.runtime.structured import GrammarSpec
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (DeepSpec utils/sampling.py)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -47,6 +48,8 @@ class SamplingParams:
         logprobs: None = no log-probabilities; k >= 0 = the chosen token's log-probability
             and the k most likely alternatives, per generated token (target model, raw
             logits: before any processor, vLLM's default ``raw_logprobs``).
+        grammar: structured output the text must match (:mod:`edgebuild.runtime.structured`);
+            None = free text.
     """
 
     max_tokens: int = 16
@@ -64,6 +67,7 @@ class SamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

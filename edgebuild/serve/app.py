@@ -200,6 +200,11 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
     vocab = state.llm.config.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    if params.grammar is not None:
+        try:
+            state.llm.check_grammar(params.grammar)
+        except RequestError as exc:
+            raise bad_request(str(exc), _grammar_param(req)) from None
     bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
     if bad:
         raise bad_request(
@@ -212,6 +217,14 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
             exc, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         ) from None
     return params
+
+
+def _grammar_param(req) -> str:
+    """The request field that asked for the structured output (for error messages)."""
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice"):
+        if getattr(req, name) is not None:
+            return name
+    return "guided_grammar" if req.guided_grammar is not None else "structured_outputs"
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

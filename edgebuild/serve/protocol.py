@@ -12,6 +12,7 @@ per generated token (EOS included: the entries count ``usage.completion_tokens``
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 
 from edgebuild.errors import RequestError
 from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.structured import GrammarSpec
 from edgebuild.serve.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
@@ -155,6 +157,33 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the output must validate against."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's ``structured_outputs`` object (one of its fields)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _GenerationRequest(_Strict):
     """Fields shared by chat and text completions (OpenAI names, plus vLLM's top_k etc.)."""
 
@@ -176,6 +205,12 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     min_p: float | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -197,6 +232,51 @@ class _GenerationRequest(_Strict):
     def logprob_count(self) -> int | None:
         """Alternatives per generated token (None = no logprobs)."""
         return None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured output asked for (``response_format``, vLLM's ``guided_*`` or
+        ``structured_outputs``), None for free text.
+
+        Raises:
+            APIError: 400 when more than one is given, or a json_schema has no schema.
+        """
+        found: list[tuple[str, GrammarSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", GrammarSpec("json_object")))
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or not rf.json_schema.schema_:
+                raise bad_request(
+                    "response_format type json_schema needs json_schema.schema",
+                    "response_format",
+                )
+            found.append(("response_format", _schema_spec(rf.json_schema.schema_)))
+        so = self.structured_outputs
+        pairs = [
+            ("guided_json", self.guided_json, _schema_spec),
+            ("guided_regex", self.guided_regex, lambda v: GrammarSpec("regex", v)),
+            ("guided_choice", self.guided_choice, _choice_spec),
+            ("guided_grammar", self.guided_grammar, lambda v: GrammarSpec("grammar", v)),
+        ]
+        if so is not None:
+            pairs += [
+                ("structured_outputs", so.json_, _schema_spec),
+                ("structured_outputs", so.regex, lambda v: GrammarSpec("regex", v)),
+                ("structured_outputs", so.choice, _choice_spec),
+                ("structured_outputs", so.grammar, lambda v: GrammarSpec("grammar", v)),
+                (
+                    "structured_outputs",
+                    so.json_object or None,
+                    lambda v: GrammarSpec("json_object"),
+                ),
+            ]
+        found += [(name, make(v)) for name, v, make in pairs if v is not None]
+        if len(found) > 1:
+            names = ", ".join(sorted({n for n, _ in found}))
+            raise bad_request(
+                f"ask for one structured output at a time, got several ({names})", found[1][0]
+            )
+        return found[0][1] if found else None
 
     def bias(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs.
@@ -251,6 +331,7 @@ class _GenerationRequest(_Strict):
                 min_tokens=self.min_tokens,
                 min_p=self.min_p or 0.0,
                 logprobs=self.logprob_count(),
+                grammar=self.grammar_spec(),
             )
         except RequestError as exc:  # the message starts with the field's name
             field_name = str(exc).split(" ", 1)[0]
@@ -270,7 +351,6 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -284,10 +364,6 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise bad_request("tool calling is not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request(
-                "response_format other than 'text' is not supported", "response_format"
-            )
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given
@@ -354,6 +430,16 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("the prompt is empty", "prompt")
         if isinstance(self.prompt, list) and not self.prompt:
             raise bad_request("the prompt is empty (0 token ids)", "prompt")
+
+
+def _schema_spec(value) -> GrammarSpec:
+    return GrammarSpec("json_schema", value if isinstance(value, str) else json.dumps(value))
+
+
+def _choice_spec(value: list[str]) -> GrammarSpec:
+    if not value or any(not c for c in value):
+        raise bad_request("guided_choice must be a list of non-empty strings", "guided_choice")
+    return GrammarSpec("choice", json.dumps(value))
 
 
 def parse_request(model: type[_GenerationRequest], body: dict) -> _GenerationRequest:
