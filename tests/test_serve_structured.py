@@ -122,3 +122,86 @@ def test_a_draft_cut_by_the_grammar_counts_as_rejected():
         (v,) = verify_batch([p_logits], [full.truncated(1)], [params], [g])
         seen_plain.add(v.next_token)
     assert seen_cut == {1} and seen_plain == {0, 1}
+
+
+# ---------------------------------------------------------------------- tool calls
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("name", ["target-only", "dspark"])
+def test_tool_round_trip_call_result_answer(clients, name):
+    client = clients[name]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=MODEL, tools=[WEATHER, TIME], temperature=0.0, max_tokens=40)
+    r = client.chat.completions.create(messages=messages, tool_choice="required", **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert isinstance(args, dict)
+    named = client.chat.completions.create(
+        messages=messages,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **kw,
+    )
+    (wcall,) = named.choices[0].message.tool_calls
+    assert wcall.function.name == "get_weather" and "city" in json.loads(wcall.function.arguments)
+    # streamed: OpenAI's tool-call deltas add up to the same call
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            stream=True,
+            **kw,
+        )
+    )
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == wcall.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the result goes back as role "tool"; the model answers in text
+    messages += [
+        named.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": wcall.id, "content": '{"temperature_c": 21}'},
+    ]
+    final = client.chat.completions.create(messages=messages, **kw)
+    assert final.choices[0].message.content
+    assert final.choices[0].finish_reason in ("stop", "length")
+    none = client.chat.completions.create(messages=messages[:1], tool_choice="none", **kw)
+    assert none.choices[0].message.tool_calls is None
+
+
+def test_tool_call_parsing_and_stream_filter():
+    from edgebuild.serve.tools import ToolStreamFilter, parse_tool_calls
+
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "g"}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Sure."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1}),
+        ("g", {}),
+    ]
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == (
+        "<tool_call>not json</tool_call>",
+        [],
+    )
+    f = ToolStreamFilter()
+    sent = [f.feed(d) for d in ["Hello <", "tool", "_call>{", '"name": "f"}</tool_call>']]
+    assert sent == ["Hello ", "", "", ""]
+    assert f.held == '<tool_call>{"name": "f"}</tool_call>'
+    g = ToolStreamFilter()
+    assert [g.feed(d) for d in ["a <t", "x> d", " <b"]] == ["a ", "<tx> d", " <b"]

@@ -259,13 +259,17 @@ class LLM:
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def encode_messages(
-        self, messages: list[dict], images: list[ImageInput] | None = None
+        self,
+        messages: list[dict],
+        images: list[ImageInput] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of a chat conversation with the generation prompt appended.
 
         Image content parts (`image_url` / `image` / `input_image`) are rendered by the chat
         template as one image pad token each, which is expanded to `images[k].num_tokens`
         pads (`images` from :meth:`process_images`, one per image part, in order).
+        ``tools`` (OpenAI function definitions) go to the template, which renders them.
 
         Raises:
             RequestError: no chat template; ImageInputError: image parts for a model without
@@ -280,8 +284,9 @@ class LLM:
             )
         if n_parts != len(images or []):
             raise ImageInputError(f"{n_parts} image content parts but {len(images or [])} images")
+        extra = {"tools": tools} if tools else {}
         ids = self.tokenizer.apply_chat_template(
-            template_messages(messages), add_generation_prompt=True, tokenize=True
+            template_messages(messages), add_generation_prompt=True, tokenize=True, **extra
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

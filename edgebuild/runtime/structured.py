@@ -25,7 +25,7 @@ import torch
 
 from edgebuild.errors import RequestError
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,9 @@ class GrammarSpec:
     Attributes:
         kind: ``json_object`` (any JSON object), ``json_schema`` (``value``: the schema as
             JSON text), ``regex``, ``choice`` (``value``: a JSON list of strings) or
-            ``grammar`` (``value``: EBNF in xgrammar's / vLLM's GBNF dialect).
+            ``grammar`` (``value``: EBNF in xgrammar's / vLLM's GBNF dialect) or
+            ``tool_call`` (``value``: a JSON schema; the output is ``<tool_call>\n`` + JSON
+            matching it + ``\n</tool_call>``, the Hermes / Qwen format).
         value: the grammar's text ("" for json_object).
     """
 
@@ -84,6 +86,14 @@ class StructuredOutputs:
             if spec.kind == "choice":
                 alts = " | ".join(json.dumps(s) for s in json.loads(spec.value))
                 return c.compile_grammar(f"root ::= {alts}")
+            if spec.kind == "tool_call":
+                g = self.xgr.Grammar
+                block = g.concat(
+                    g.from_ebnf('root ::= "<tool_call>\\n"'),
+                    g.from_json_schema(spec.value, any_whitespace=False, strict_mode=True),
+                    g.from_ebnf('root ::= "\\n</tool_call>"'),
+                )
+                return c.compile_grammar(block)
             return c.compile_grammar(spec.value)
         except (RuntimeError, ValueError, TypeError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -51,6 +51,7 @@ from edgebuild.serve.streaming import (
     completion_response,
     completion_stream,
 )
+from edgebuild.serve.tools import hermes_messages, template_supports_tools, template_tool_calls
 
 log = logging.getLogger("edgebuild.serve")
 
@@ -256,7 +257,16 @@ async def chat_prompt(state: ServeState, req: ChatCompletionRequest) -> tuple[li
             images = await asyncio.to_thread(_load_images, state, urls, limits)
         else:
             messages = req.template_messages()
-        ids = await tokenize(state, state.llm.encode_messages, messages, images or None)
+        tools = None
+        if req.uses_tools:
+            if template_supports_tools(getattr(state.llm.tokenizer, "chat_template", None)):
+                tools = req.tool_dicts()
+                for m in messages:
+                    if m.get("tool_calls"):
+                        m["tool_calls"] = template_tool_calls(m["tool_calls"])
+            else:
+                messages = hermes_messages(messages, req.tool_dicts())
+        ids = await tokenize(state, state.llm.encode_messages, messages, images or None, tools)
         return ids, images
     except RequestError as exc:
         raise from_request_error(exc, "messages") from None
@@ -382,11 +392,12 @@ async def chat_completions(request: Request):
     params = choice_params(sampling_for(state, req, ids), req.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tickets = state.scheduler.submit_choices(ids, params, rid, images=images)
-    lp = bool(req.logprobs)
+    lp, tools = bool(req.logprobs), req.uses_tools
     if req.stream:
-        stream = chat_stream(tickets, request, rid, model, req.include_usage, lp)
+        stream = chat_stream(tickets, request, rid, model, req.include_usage, lp, tools)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-    return chat_response(await collect(tickets, request), rid, model, lp).model_dump()
+    events = await collect(tickets, request)
+    return chat_response(events, rid, model, lp, tools).model_dump(exclude_none=False)
 
 
 @v1.post("/completions", **_body(CompletionRequest, CompletionResponse, CompletionResponse))

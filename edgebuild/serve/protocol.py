@@ -22,6 +22,7 @@ from edgebuild.errors import RequestError
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.structured import GrammarSpec
 from edgebuild.serve.errors import APIError, bad_request
+from edgebuild.serve.tools import forced_grammar
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per request
@@ -101,18 +102,57 @@ def _content(value: Any) -> str | list[TextPart | ImagePart]:
     return parts
 
 
+class FunctionCall(_Strict):
+    """``{"name", "arguments"}``: ``arguments`` is JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Strict):
+    """An assistant message's tool call (sent back in the conversation)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    """A tool's function: its ``name``, ``description`` and JSON-schema ``parameters``."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """``tools[i]``: a function the model may call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
 class ChatMessage(_Strict):
     """One chat message; `content` is a string or a list of text / image parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[Any, _CONTENT]
+    content: Annotated[Any, _CONTENT] = Field(default=None, validate_default=True)
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
     name: str | None = None
 
     @field_validator("content", mode="plain")
     @classmethod
     def _check_content(cls, value):
-        return _content(value)
+        return "" if value is None else _content(value)
 
     def num_chars(self) -> int:
         """Characters of text in the message (text parts; images not counted)."""
@@ -350,7 +390,9 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -362,8 +404,11 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.tools:
-            raise bad_request("tool calling is not supported by this server", "tools")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        name = self.forced_tool()
+        if name is not None and name not in {t.function.name for t in self.tools}:
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given
@@ -374,9 +419,51 @@ class ChatCompletionRequest(_GenerationRequest):
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered to the model (given, and tool_choice is not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """As for completions; with ``tool_choice`` required or named, the forced tool call
+        (:func:`edgebuild.serve.tools.forced_grammar`).
+
+        Raises:
+            APIError: 400 for a forced call together with another structured output.
+        """
+        spec = super().grammar_spec()
+        if self.uses_tools and (self.tool_choice == "required" or self.forced_tool()):
+            if spec is not None:
+                raise bad_request(
+                    "tool_choice required / a named function cannot be combined with "
+                    "response_format or guided decoding",
+                    "tool_choice",
+                )
+            return forced_grammar(self.tool_dicts(), self.forced_tool())
+        return spec
+
+    def forced_tool(self) -> str | None:
+        """The function ``tool_choice`` names, else None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.get("name")
+        return None
+
+    def tool_dicts(self) -> list[dict]:
+        """``tools`` as plain dicts (for the chat template and the forced-call schema)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
     def template_messages(self) -> list[dict]:
-        """Messages as the chat template expects them (`role`, text `content`)."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """Messages as the chat template expects them (`role`, text `content`; assistant
+        `tool_calls` and tool `tool_call_id` when given)."""
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        return out
 
 
 class CompletionRequest(_GenerationRequest):
@@ -538,9 +625,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class ResponseToolCall(BaseModel):
+    """A tool call the model made (``arguments``: JSON text)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -564,6 +660,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # {index, id, type, function: {name, arguments}}
 
 
 class ChatChunkChoice(BaseModel):

@@ -33,6 +33,7 @@ from edgebuild.serve.protocol import (
     Usage,
 )
 from edgebuild.serve.scheduler import Event, Ticket
+from edgebuild.serve.tools import ToolStreamFilter, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -135,24 +136,43 @@ def _chat_logprobs(ev: Event, wanted: bool) -> ChoiceLogprobs | None:
     return ChoiceLogprobs(content=ev.logprobs) if wanted else None
 
 
+def _message(ev: Event, tools: bool) -> tuple[AssistantMessage, str | None]:
+    """The assistant message of a finished choice and its finish_reason (``tool_calls``
+    when its text held calls and tools were offered: :mod:`edgebuild.serve.tools`)."""
+    if tools:
+        content, calls = parse_tool_calls(ev.final_text)
+        if calls:
+            return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+    return AssistantMessage(content=ev.final_text), ev.finish_reason
+
+
 def chat_response(
-    events: list[Event], request_id: str, model: str, logprobs: bool = False
+    events: list[Event], request_id: str, model: str, logprobs: bool = False, tools=False
 ) -> ChatCompletionResponse:
     """The non-streamed chat completion of a finished request (one choice per event)."""
-    return ChatCompletionResponse(
-        id=request_id,
-        model=model,
-        choices=[
+    choices = []
+    for i, ev in enumerate(events):
+        message, finish = _message(ev, tools)
+        choices.append(
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=ev.final_text),
-                finish_reason=ev.finish_reason,
+                message=message,
+                finish_reason=finish,
                 logprobs=_chat_logprobs(ev, logprobs),
             )
-            for i, ev in enumerate(events)
-        ],
-        usage=_usage(events),
-    )
+        )
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(events))
+
+
+def tool_call_deltas(calls: list[dict]) -> list[dict]:
+    """OpenAI's streamed tool-call deltas of `calls`: per call, one delta with its index,
+    id, type and name (empty arguments), then one with the arguments."""
+    out = []
+    for k, c in enumerate(calls):
+        head = {"name": c["function"]["name"], "arguments": ""}
+        out.append({"index": k, "id": c["id"], "type": "function", "function": head})
+        out.append({"index": k, "function": {"arguments": c["function"]["arguments"]}})
+    return out
 
 
 class CompletionLogprobsBuilder:
@@ -201,8 +221,11 @@ async def chat_stream(
     model: str,
     include_usage: bool,
     logprobs: bool = False,
+    tools: bool = False,
 ) -> AsyncIterator[str]:
-    """SSE chunks of a streamed chat completion (one choice per ticket)."""
+    """SSE chunks of a streamed chat completion (one choice per ticket). With ``tools``,
+    text that may start a ``<tool_call>`` block is held back; at the end of the choice its
+    calls go out as tool-call deltas (:func:`tool_call_deltas`), the rest as content."""
     created = int(time.time())
 
     def chunk(i: int, delta: DeltaMessage, finish=None, lp=None) -> str:
@@ -212,6 +235,7 @@ async def chat_stream(
         )
 
     done: list[Event] = []
+    filters = [ToolStreamFilter() if tools else None for _ in tickets]
     try:
         for i in range(len(tickets)):
             yield chunk(i, DeltaMessage(role="assistant", content=""))
@@ -219,11 +243,22 @@ async def chat_stream(
             if ev.kind == "error":
                 yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
-            if ev.text or ev.logprobs:
-                yield chunk(i, DeltaMessage(content=ev.text), lp=_chat_logprobs(ev, logprobs))
+            text = ev.text if filters[i] is None else filters[i].feed(ev.text)
+            if text or ev.logprobs:
+                yield chunk(i, DeltaMessage(content=text), lp=_chat_logprobs(ev, logprobs))
             if ev.kind == "done":
                 done.append(ev)
-                yield chunk(i, DeltaMessage(), ev.finish_reason)
+                finish = ev.finish_reason
+                if filters[i] is not None and filters[i].held:
+                    content, calls = parse_tool_calls(filters[i].held)
+                    if content and not calls:
+                        content = filters[i].held  # no call in it: the text as it was
+                    if content:
+                        yield chunk(i, DeltaMessage(content=content))
+                    if calls:
+                        yield chunk(i, DeltaMessage(tool_calls=tool_call_deltas(calls)))
+                        finish = "tool_calls"
+                yield chunk(i, DeltaMessage(), finish)
         if include_usage and len(done) == len(tickets):
             usage = ChatCompletionChunk(
                 id=request_id, created=created, model=model, choices=[], usage=_usage(done)
