@@ -201,11 +201,6 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
     vocab = state.llm.config.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
-    if params.grammar is not None:
-        try:
-            state.llm.check_grammar(params.grammar)
-        except RequestError as exc:
-            raise bad_request(str(exc), _grammar_param(req)) from None
     bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
     if bad:
         raise bad_request(
@@ -218,6 +213,17 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
             exc, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         ) from None
     return params
+
+
+async def check_grammar(state: ServeState, req, params: SamplingParams) -> None:
+    """Compile the request's grammar on the tokenizer thread (xgrammar caches it for the
+    worker); 400 naming the field when it is invalid."""
+    if params.grammar is None:
+        return
+    try:
+        await tokenize(state, state.llm.check_grammar, params.grammar)
+    except RequestError as exc:
+        raise bad_request(str(exc), _grammar_param(req)) from None
 
 
 def _grammar_param(req) -> str:
@@ -389,7 +395,9 @@ async def chat_completions(request: Request):
     )
     model = check_model(state, req.model)
     ids, images = await chat_prompt(state, req)
-    params = choice_params(sampling_for(state, req, ids), req.n)
+    params = sampling_for(state, req, ids)
+    await check_grammar(state, req, params)
+    params = choice_params(params, req.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tickets = state.scheduler.submit_choices(ids, params, rid, images=images)
     lp, tools = bool(req.logprobs), req.uses_tools
@@ -407,7 +415,9 @@ async def completions(request: Request):
     req = parse_request(CompletionRequest, await read_json(request, state.config.max_request_bytes))
     model = check_model(state, req.model)
     ids = await completion_prompt(state, req)
-    params = choice_params(sampling_for(state, req, ids), req.n)
+    params = sampling_for(state, req, ids)
+    await check_grammar(state, req, params)
+    params = choice_params(params, req.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     echo = ""
     if req.echo:
