@@ -183,3 +183,22 @@ def test_min_tokens_holds_back_eos(client, llm):
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
     ref = runtime(llm, ids, max_tokens=10, logit_bias=((1, 100.0),), min_tokens=4)
     assert ref.output_ids[-1] == 1 and len(ref.output_ids) == 5
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_fails_clearly(client, llm):
+    # the word tokenizer has no "{": no JSON object can be written with it
+    for temperature in (0.0, 1.0):
+        with pytest.raises(openai.BadRequestError, match="cannot be continued") as err:
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=8, temperature=temperature,
+                response_format={"type": "json_object"},
+            )  # fmt: skip
+        assert err.value.body["code"] == "grammar_unsatisfiable"
+    ok = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0.0,
+        extra_body={"guided_choice": ["t7", "t9"]},
+    )  # fmt: skip
+    # then only EOS may follow (t1, or config's id 2, which this word tokenizer prints)
+    text = ok.choices[0].message.content
+    assert text.removesuffix(" t2").removesuffix(" t1") in ("t7", "t9"), text
+    assert ok.choices[0].finish_reason == "stop"

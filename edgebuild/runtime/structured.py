@@ -67,6 +67,7 @@ class StructuredOutputs:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
         )
         self.compiler = xgr.GrammarCompiler(self.info)
+        self.stop_ids = sorted(stop_ids)
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar of `spec`.
@@ -101,16 +102,23 @@ class StructuredOutputs:
 
     def matcher(self, spec: GrammarSpec) -> RequestGrammar:
         """A fresh matcher for one request (its state starts at the grammar's root)."""
-        return RequestGrammar(self, self.xgr.GrammarMatcher(self.compile(spec)))
+        return RequestGrammar(self, self.xgr.GrammarMatcher(self.compile(spec)), self.stop_ids)
 
 
 class RequestGrammar:
-    """One request's grammar state: its matcher and the masks of the rows being verified."""
+    """One request's grammar state: its matcher and the masks of the rows being verified.
 
-    def __init__(self, outputs: StructuredOutputs, matcher):
+    A row where the grammar allows no token of the vocabulary (a grammar this model's
+    tokenizer cannot spell) allows the stop ids instead, so the request ends; ``dead`` is then
+    set, and the server reports the request as failed instead of returning invalid text.
+    """
+
+    def __init__(self, outputs: StructuredOutputs, matcher, stop_ids: list[int] = ()):
         self.outputs = outputs
         self.matcher = matcher
+        self.stop_ids = list(stop_ids)
         self.masks: torch.Tensor | None = None  # int32 [k + 1, W] of the current block
+        self.dead = False  # a committed token the grammar refused (see above)
 
     def walk(self, drafts: list[int]) -> int:
         """Masks of rows 0..k (``self.masks``) for the drafts the grammar accepts, k of them
@@ -134,6 +142,10 @@ class RequestGrammar:
         if k:
             m.rollback(k)
         self.masks = masks[: k + 1]
+        for row in (~self.masks.bool().any(-1)).nonzero().flatten().tolist():
+            for t in self.stop_ids:  # nothing fits: only a stop token (the request ends)
+                bit = 1 << (t % 32)
+                self.masks[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
         return k
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -148,7 +160,9 @@ class RequestGrammar:
         for t in tokens:
             if self.matcher.is_terminated():
                 return
-            self.matcher.accept_token(int(t))
+            if not self.matcher.accept_token(int(t)):
+                self.dead = True
+                return
 
     @property
     def done(self) -> bool:

@@ -549,7 +549,16 @@ class Scheduler:
                 self.metrics.ttft.observe(now - a.ticket.arrival)
         delta = next_delta(st.stopper, a.sent)
         a.sent += delta
-        if st.finished:
+        if st.finished and st.grammar is not None and st.grammar.dead:
+            msg = (
+                "the requested structured output cannot be continued with this model's "
+                "vocabulary (no token fits the grammar at some point); simplify the schema / "
+                "regex / grammar"
+            )
+            self._end(
+                a, Event("error", status=400, message=msg, code="grammar_unsatisfiable"), "error"
+            )
+        elif st.finished:
             self._end(a, self._done_event(a, delta), st.stopper.finish_reason)
         elif delta:
             a.ticket.post(Event("token", text=delta, logprobs=self._new_logprobs(a)))
