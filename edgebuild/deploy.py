@@ -94,8 +94,10 @@ def serve_build_recipe(config: ServeConfig, target: ModelSource, spec, device: D
         )
         n = min(block, MAX_SPECULATIVE_TOKENS)
     per_seq = max(
-        -(-config.max_kv_cache_capacity // config.max_batch_size), config.max_input_len + n + 1
+        -(-config.max_kv_cache_capacity // config.max_batch_size), config.input_len + n + 1
     )
+    if config.max_model_len is not None:  # vLLM's flag: the per-sequence capacity itself
+        per_seq = config.max_model_len + n
     per_seq = -(-per_seq // PAGE_SIZE) * PAGE_SIZE
     spec_kw = {"num_speculative_tokens": n, "draft_top_k": spec.draft_top_k} if spec else {}
     return recipe_from_flags(
@@ -104,7 +106,7 @@ def serve_build_recipe(config: ServeConfig, target: ModelSource, spec, device: D
         device=device.value,
         name=target.display_name.replace("/", "--"),
         max_batch_size=config.max_batch_size,
-        max_input_len=config.max_input_len,
+        max_input_len=config.input_len,
         max_kv_cache_capacity=per_seq,
         page_size=PAGE_SIZE,
         **spec_kw,

@@ -65,7 +65,14 @@ def test_streamed_chat_concatenates_to_the_non_streamed_text(client):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     usage_chunk = chunks[-1]
-    assert usage_chunk.choices == [] and usage_chunk.usage == full.usage
+    assert usage_chunk.choices == []
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(usage_chunk.usage, k) for k in counts] == [
+        getattr(full.usage, k) for k in counts
+    ]
+    # the same prompt again: its full KV pages come from the prefix cache
+    cached = usage_chunk.usage.prompt_tokens_details.cached_tokens
+    assert cached == (full.usage.prompt_tokens - 1) // 32 * 32
     text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
     assert text == full.choices[0].message.content
     assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason

@@ -8,6 +8,7 @@ a block of tokens with the distribution it sampled them from.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,12 +67,16 @@ class Proposal:
     confidence: fp32 [n] confidence-head probabilities (ones when the draft has no head).
     q_ids: int64 [n, K] the candidate ids q is over; None means q is dense over the
        vocabulary (K = V, candidate j is token j).
+    rejected: the one draft after these that was cut because the request's grammar refuses
+       it (:mod:`edgebuild.runtime.structured`): counted as rejected, so when all n are
+       accepted the next token comes from the residual against its q, not from p_n.
     """
 
     tokens: list[int]
     q: torch.Tensor
     confidence: torch.Tensor
     q_ids: torch.Tensor | None = None
+    rejected: Proposal | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -79,7 +84,18 @@ class Proposal:
     def truncated(self, n: int) -> Proposal:
         """The first n drafts (a confidence cutoff or a budget)."""
         ids = None if self.q_ids is None else self.q_ids[:n]
+        if n >= len(self.tokens):
+            return self
         return Proposal(self.tokens[:n], self.q[:n], self.confidence[:n], ids)
+
+    def cut(self, n: int) -> Proposal:
+        """The first n drafts; draft n (refused by the grammar) kept as ``rejected``."""
+        if n >= len(self.tokens):
+            return self
+        tail = self.truncated(n + 1)
+        ids = None if tail.q_ids is None else tail.q_ids[n:]
+        refused = Proposal(tail.tokens[n:], tail.q[n:], tail.confidence[n:], ids)
+        return dataclasses.replace(self.truncated(n), rejected=refused)
 
     def dense_q(self, vocab: int) -> torch.Tensor:
         """fp32 [n, vocab] q scattered over the vocabulary (zero outside the candidates)."""

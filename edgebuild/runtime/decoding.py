@@ -39,10 +39,12 @@ from edgebuild.runtime.backend import DraftBackend, MultimodalPrefill, Proposal,
 from edgebuild.runtime.kv_cache import Sequence, block_hashes
 from edgebuild.runtime.metrics import RequestMetrics
 from edgebuild.runtime.prefill import PrefillConfig, PrefillStats
+from edgebuild.runtime.processors import TokenLogprob, apply_processors, token_logprobs
 from edgebuild.runtime.rejection import RESIDUAL_EPS, verify_batch
 from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
 from edgebuild.runtime.spec_schedule import ConfidenceScheduler
 from edgebuild.runtime.stopping import IncrementalDetokenizer, StopChecker
+from edgebuild.runtime.structured import RequestGrammar
 
 
 @dataclass
@@ -66,6 +68,9 @@ class RequestState:
     # prefix pages first), and the chained block hashes of the prompt (None: not cached)
     prefill_features: list[torch.Tensor] = field(default_factory=list)
     prompt_hashes: list[bytes] | None = None
+    # params.logprobs set: one entry per output token (raw target logits; runtime/processors.py)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: RequestGrammar | None = None  # params.grammar's matcher (runtime/structured.py)
 
     @classmethod
     def create(
@@ -78,7 +83,9 @@ class RequestState:
     ) -> RequestState:
         """A fresh state: its own stop checker (EOS ids + params.stop_token_ids) and generator."""
         stop_ids = frozenset(params.stop_token_ids) | frozenset(stop_token_ids)
-        stopper = StopChecker(params.max_tokens, stop_ids, tuple(params.stop), detok)
+        stopper = StopChecker(
+            params.max_tokens, stop_ids, tuple(params.stop), detok, min_tokens=params.min_tokens
+        )
         return cls(request_id, list(prompt_ids), params, stopper, params.generator())
 
     @property
@@ -186,10 +193,16 @@ class TargetOnlyDecoder:
             self.target.free(st.seq)
         st.prefill_features = []
 
-    def _commit(self, st: RequestState, tokens: list[int]) -> None:
+    def _commit(self, st: RequestState, tokens: list[int], rows: torch.Tensor) -> None:
+        """Commit ``tokens`` (until a stop); ``rows``: the raw target logits [>= k, V] they
+        were chosen from (their log-probabilities when the request asks for them)."""
         taken = st.stopper.feed_many(tokens)
         st.new_tokens.extend(taken)
         st.metrics.generated += len(taken)
+        if st.params.logprobs is not None:
+            st.logprobs.extend(token_logprobs(rows, taken, st.params.logprobs))
+        if st.grammar is not None:
+            st.grammar.advance(taken)
 
     # ------------------------------------------------------------------ prefix cache
     def _caches(self, has_images: bool) -> bool:
@@ -312,10 +325,10 @@ class TargetOnlyDecoder:
                 last.append(out.logits[b][-1])
         if done:
             tokens = next_tokens(last, [s.params for s in done], done)
-            for st, token in zip(done, tokens, strict=True):
-                self._end_prefill(st, token)
+            for st, token, row in zip(done, tokens, last, strict=True):
+                self._end_prefill(st, token, row[None])
 
-    def _end_prefill(self, st: RequestState, token: int) -> None:
+    def _end_prefill(self, st: RequestState, token: int, row: torch.Tensor) -> None:
         """The prompt is in the cache: cache its pages, hand its taps to the draft, commit
         the first token."""
         features = torch.cat(st.prefill_features) if self.taps else None
@@ -325,7 +338,7 @@ class TargetOnlyDecoder:
             st.pending_features = features
         st.anchor = token
         st.metrics.prompt_tokens = len(st.prompt_ids)
-        self._commit(st, [token])
+        self._commit(st, [token], row)
 
     # ------------------------------------------------------------------ steps
     def step(self, states: list[RequestState], on_prefilled=None) -> None:
@@ -355,11 +368,11 @@ class TargetOnlyDecoder:
         out = self.target.forward([s.seq for s in live], rows, [[0]] * len(live), tap_layers)
         dt = time.perf_counter() - t0
         tokens = next_tokens([lg[0] for lg in out.logits], [s.params for s in live], live)
-        for st, token in zip(live, tokens, strict=True):
+        for b, (st, token) in enumerate(zip(live, tokens, strict=True)):
             st.anchor = token
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=0, accepted=0)
-            self._commit(st, [token])
+            self._commit(st, [token], out.logits[b][:1])
         return out
 
 
@@ -502,6 +515,10 @@ class DSparkDecoder(TargetOnlyDecoder):
         )
         if self.threshold > 0:
             proposals = [self._cutoff(p) for p in proposals]
+        proposals = [  # the grammar's masks of the rows to verify; refused drafts cut
+            p if s.grammar is None else p.cut(s.grammar.walk(p.tokens))
+            for s, p in zip(live, proposals, strict=True)
+        ]
         dt = time.perf_counter() - t0
         for s in live:
             s.metrics.draft_s += dt / len(live)
@@ -528,8 +545,12 @@ class DSparkDecoder(TargetOnlyDecoder):
             [s.seq for s in live], rows, [list(range(len(r))) for r in rows], self.taps
         )
         dt = time.perf_counter() - t0
+        logits = [
+            processed_rows(lg, st, prop.tokens)
+            for lg, st, prop in zip(out.logits, live, proposals, strict=True)
+        ]
         verdicts = verify_batch(
-            out.logits, proposals, [s.params for s in live], [s.generator for s in live]
+            logits, proposals, [s.params for s in live], [s.generator for s in live]
         )
         for b, (st, prop, v) in enumerate(zip(live, proposals, verdicts, strict=True)):
             n, a = len(prop.tokens), v.accepted
@@ -538,7 +559,7 @@ class DSparkDecoder(TargetOnlyDecoder):
             st.anchor = v.next_token
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=n, accepted=a)
-            self._commit(st, v.tokens(prop.tokens))
+            self._commit(st, v.tokens(prop.tokens), out.logits[b])
         return dt, [v.accepted for v in verdicts]
 
 
@@ -575,11 +596,31 @@ def next_tokens(
 ) -> list[int]:
     """One token per request from its fp32 [V] logits row: argmax (greedy) or a sample.
 
-    Greedy rows are decided together (one argmax over the stacked rows, first index on ties);
+    The request's logits processors run first (:func:`processed_rows`). Greedy rows are
+    decided together (one argmax over the stacked rows, first index on ties);
     sampled rows draw from :func:`target_probs` with the request's generator.
     """
+    for st in states:
+        if st.grammar is not None:
+            st.grammar.walk([])  # the mask of the one row
+    logits = [processed_rows(lg[None], st)[0] for lg, st in zip(logits, states, strict=True)]
     out = torch.stack(logits).argmax(-1).tolist()
     for b, (p, st) in enumerate(zip(params, states, strict=True)):
         if not p.greedy:
             out[b] = sample(target_probs(logits[b], p), st.generator)
     return out
+
+
+def processed_rows(logits: torch.Tensor, st: RequestState, drafts: list[int] = ()) -> torch.Tensor:
+    """``logits`` fp32 [R, V] of `st` through its logits processors (row i after its output
+    plus ``drafts[:i]``: :func:`edgebuild.runtime.processors.apply_processors`); the same
+    tensor when the request has none. Then the grammar's masks of the rows (set by
+    :meth:`RequestGrammar.walk` over the same drafts) put what it forbids at -inf."""
+    if st.params.has_processors:
+        stopper = st.stopper
+        logits = apply_processors(
+            logits, st.params, st.prompt_ids, stopper.output_ids, drafts, stopper.stop_token_ids
+        )
+    if st.grammar is not None:
+        logits = st.grammar.apply(logits)
+    return logits

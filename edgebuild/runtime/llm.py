@@ -8,6 +8,7 @@ decoder. The scheduler of the server drives the same decoder step by step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from edgebuild.runtime.multimodal import (
 from edgebuild.runtime.prefill import PrefillConfig
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.stopping import IncrementalDetokenizer
+from edgebuild.runtime.structured import GrammarSpec, StructuredOutputs
 from edgebuild.runtime.torch_backend import DEFAULT_PAGE_SIZE, open_torch_runtime
 from edgebuild.speculative.config import SpeculativeConfig
 
@@ -257,13 +259,17 @@ class LLM:
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def encode_messages(
-        self, messages: list[dict], images: list[ImageInput] | None = None
+        self,
+        messages: list[dict],
+        images: list[ImageInput] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of a chat conversation with the generation prompt appended.
 
         Image content parts (`image_url` / `image` / `input_image`) are rendered by the chat
         template as one image pad token each, which is expanded to `images[k].num_tokens`
         pads (`images` from :meth:`process_images`, one per image part, in order).
+        ``tools`` (OpenAI function definitions) go to the template, which renders them.
 
         Raises:
             RequestError: no chat template; ImageInputError: image parts for a model without
@@ -278,8 +284,9 @@ class LLM:
             )
         if n_parts != len(images or []):
             raise ImageInputError(f"{n_parts} image content parts but {len(images or [])} images")
+        extra = {"tools": tools} if tools else {}
         ids = self.tokenizer.apply_chat_template(
-            template_messages(messages), add_generation_prompt=True, tokenize=True
+            template_messages(messages), add_generation_prompt=True, tokenize=True, **extra
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -351,8 +358,23 @@ class LLM:
             raise ImageInputError(f"{self.model_dir} has no vision tower: images are not supported")
         if self.vision is not None and (images or self.vision.image_token_id in prompt_ids):
             st.prompt_images = self.vision.prepare(prompt_ids, images or [])
+        if params.grammar is not None:
+            st.grammar = self.structured.matcher(params.grammar)
         self.decoder.start(st)
         return st
+
+    @functools.cached_property
+    def structured(self) -> StructuredOutputs:
+        """The grammar compiler of this tokenizer (xgrammar; built on first use)."""
+        return StructuredOutputs(self.tokenizer, self.config.vocab_size, self.eos_ids())
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` (cached for the request that follows).
+
+        Raises:
+            RequestError: an invalid schema, regex or grammar.
+        """
+        self.structured.compile(spec)
 
     def set_prefill(self, prefill: PrefillConfig) -> None:
         """Use `prefill` (fitted to the page size and max_input_len) from the next step on;

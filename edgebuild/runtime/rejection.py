@@ -25,7 +25,7 @@ import torch
 
 from edgebuild.runtime.backend import Proposal
 from edgebuild.runtime.markov_walk import inverse_cdf
-from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.sampling import SamplingParams, apply_min_p
 
 RESIDUAL_EPS = 1e-8
 
@@ -47,14 +47,18 @@ def probs_rows(
     temperature: torch.Tensor,  # fp32 [R] (> 0)
     top_k: torch.Tensor,  # int64 [R] (0 = off)
     top_p: torch.Tensor,  # fp32 [R] in (0, 1]
+    min_p: torch.Tensor | None = None,  # fp32 [R] in [0, 1] (0 = off)
 ) -> torch.Tensor:
     """Row-wise :func:`edgebuild.runtime.sampling.target_probs` for sampled rows: fp32 [R, V].
 
-    Each row has its own temperature, top-k and top-p (the same rules: the k largest logits
+    Each row has its own temperature, min-p, top-k and top-p (the same rules: min-p first; the
+    k largest logits
     kept, ties at the k-th included; the smallest prefix of the sorted distribution with mass
     >= top_p kept; renormalized).
     """
     z = logits.float() / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        z = apply_min_p(z, min_p)
     need_k = bool((top_k > 0).any())
     need_p = bool((top_p < 1.0).any())
     if need_k or need_p:
@@ -120,7 +124,8 @@ def _sampled_rows(flat, starts, counts, params, generators, sampled):
     temps = torch.tensor([float(p.temperature) for p, r in per_row for _ in range(r)])
     top_k = torch.tensor([int(p.top_k) for p, r in per_row for _ in range(r)], dtype=torch.long)
     top_p = torch.tensor([float(p.top_p) for p, r in per_row for _ in range(r)])
-    p_all = probs_rows(flat[idx], temps, top_k, top_p)
+    min_p = torch.tensor([float(p.min_p) for p, r in per_row for _ in range(r)])
+    p_all = probs_rows(flat[idx], temps, top_k, top_p, min_p)
     probs, uniforms, at = {}, {}, 0
     for b in sampled:
         r = counts[b] + 1
@@ -133,11 +138,12 @@ def _sampled_rows(flat, starts, counts, params, generators, sampled):
 def _correction(p: torch.Tensor, prop: Proposal, a: int, u: torch.Tensor) -> int:
     """The token after ``a`` accepted drafts: from the residual (rejection) or p_n (bonus)."""
     row = p[a]
-    if a < len(prop):
-        if prop.q_ids is None:
-            q_row = prop.q[a].float()
+    if a < len(prop) or prop.rejected is not None:
+        src, i = (prop, a) if a < len(prop) else (prop.rejected, 0)
+        if src.q_ids is None:
+            q_row = src.q[i].float()
         else:
-            q_row = torch.zeros_like(row).scatter_(0, prop.q_ids[a].long(), prop.q[a].float())
+            q_row = torch.zeros_like(row).scatter_(0, src.q_ids[i].long(), src.q[i].float())
         residual = (row - q_row).clamp_min(0.0)
         if float(residual.sum()) > RESIDUAL_EPS:
             row = residual

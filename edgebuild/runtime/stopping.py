@@ -46,12 +46,14 @@ class StopChecker:
         max_tokens: the budget.
         stop_token_ids: EOS ids (unless ignore_eos) + the request's stop_token_ids.
         stop: stop strings; needs `detok` to see text.
+        min_tokens: no stop (id or string) ends generation before this many tokens.
     """
 
     max_tokens: int
     stop_token_ids: frozenset[int]
     stop: tuple[str, ...] = ()
     detok: IncrementalDetokenizer | None = None
+    min_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_end: int | None = None  # text length to keep when a stop string matched
@@ -64,7 +66,9 @@ class StopChecker:
         self.output_ids.append(token_id)
         if self.detok is not None:
             self.detok.add(token_id)
-        if token_id in self.stop_token_ids:
+        if len(self.output_ids) < self.min_tokens:
+            pass  # min_tokens: the stop ids are masked; stop strings do not count yet
+        elif token_id in self.stop_token_ids:
             self.finish_reason, self.matched_stop = "stop", token_id
         elif self.stop and self.detok is not None:
             text = self.detok.text()

@@ -8,6 +8,7 @@ request reaches the scheduler, so an invalid request never costs model work.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -21,18 +22,25 @@ import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 
 from edgebuild.checkpoint.hub import split_ref
 from edgebuild.errors import RequestError
-from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.sampling import SEED_MAX, SamplingParams
 from edgebuild.serve import media
 from edgebuild.serve.config import ServeConfig, ServeState
 from edgebuild.serve.errors import APIError, bad_request, from_request_error, install_handlers
 from edgebuild.serve.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ImagePart,
     ModelCard,
     ModelList,
+    TextPart,
     parse_request,
 )
 from edgebuild.serve.startup import RETRY_AFTER_S, Startup
@@ -43,6 +51,7 @@ from edgebuild.serve.streaming import (
     completion_response,
     completion_stream,
 )
+from edgebuild.serve.tools import hermes_messages, template_supports_tools, template_tool_calls
 
 log = logging.getLogger("edgebuild.serve")
 
@@ -192,6 +201,11 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
     vocab = state.llm.config.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(
+            f"logit_bias keys must be token ids in [0, {vocab}), got {bad[:5]}", "logit_bias"
+        )
     try:
         state.llm.check_request(prompt_ids, params)
     except RequestError as exc:
@@ -199,6 +213,38 @@ def sampling_for(state: ServeState, req, prompt_ids: list[int]) -> SamplingParam
             exc, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         ) from None
     return params
+
+
+async def check_grammar(state: ServeState, req, params: SamplingParams) -> None:
+    """Compile the request's grammar on the tokenizer thread (xgrammar caches it for the
+    worker); 400 naming the field when it is invalid."""
+    if params.grammar is None:
+        return
+    try:
+        await tokenize(state, state.llm.check_grammar, params.grammar)
+    except RequestError as exc:
+        raise bad_request(str(exc), _grammar_param(req)) from None
+
+
+def _grammar_param(req) -> str:
+    """The request field that asked for the structured output (for error messages)."""
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice"):
+        if getattr(req, name) is not None:
+            return name
+    return "guided_grammar" if req.guided_grammar is not None else "structured_outputs"
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling parameters of the ``n`` choices: with a seed, choice i uses seed + i
+    (seed - i past the top of the seed range), so each choice has its own reproducible
+    stream; without one, each its own random seed."""
+    if params.seed is None:
+        return [params] * n
+    out = []
+    for i in range(n):
+        seed = params.seed + i if params.seed + i <= SEED_MAX else params.seed - i
+        out.append(dataclasses.replace(params, seed=seed))
+    return out
 
 
 async def chat_prompt(state: ServeState, req: ChatCompletionRequest) -> tuple[list[int], list]:
@@ -217,7 +263,16 @@ async def chat_prompt(state: ServeState, req: ChatCompletionRequest) -> tuple[li
             images = await asyncio.to_thread(_load_images, state, urls, limits)
         else:
             messages = req.template_messages()
-        ids = await tokenize(state, state.llm.encode_messages, messages, images or None)
+        tools = None
+        if req.uses_tools:
+            if template_supports_tools(getattr(state.llm.tokenizer, "chat_template", None)):
+                tools = req.tool_dicts()
+                for m in messages:
+                    if m.get("tool_calls"):
+                        m["tool_calls"] = template_tool_calls(m["tool_calls"])
+            else:
+                messages = hermes_messages(messages, req.tool_dicts())
+        ids = await tokenize(state, state.llm.encode_messages, messages, images or None, tools)
         return ids, images
     except RequestError as exc:
         raise from_request_error(exc, "messages") from None
@@ -265,6 +320,42 @@ async def completion_prompt(state: ServeState, req: CompletionRequest) -> list[i
 # ---------------------------------------------------------------------- routes
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
+# The routes read and validate their bodies by hand (size limit first, then JSON, then the
+# models), so the schema of each body is declared here: the same pydantic models validate.
+_ERRORS = {
+    400: "invalid request: the message names the field and the fix",
+    401: "missing or invalid API key",
+    404: "the model named does not exist",
+    413: "request body over --max-request-bytes",
+    429: "the server is busy (Retry-After)",
+    500: "internal error",
+    503: "starting (model not ready) or shutting down (Retry-After)",
+}
+ERROR_RESPONSES = {
+    code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS.items()
+}
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, TextPart, ImagePart)
+
+
+def _body(model, response, chunk) -> dict:
+    """``openapi_extra`` and ``responses`` of a POST route whose body is `model`."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    sse = {"schema": {"type": "string", "description": f"SSE: data: {chunk.__name__} JSON"}}
+    return {
+        "openapi_extra": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}
+        },
+        "responses": {
+            200: {
+                "model": response,
+                "description": "the completion; with stream: true, server-sent events of "
+                f"{chunk.__name__}, then data: [DONE]",
+                "content": {"text/event-stream": sse},
+            },
+            **ERROR_RESPONSES,
+        },
+    }
+
 
 def model_root(config: ServeConfig) -> str:
     """What ``/v1/models`` shows as ``root``: the Hub id, else the model folder's name."""
@@ -273,7 +364,9 @@ def model_root(config: ServeConfig) -> str:
     return Path(config.model).name
 
 
-@v1.get("/models")
+@v1.get(
+    "/models", response_model=None, responses={200: {"model": ModelList}, 401: ERROR_RESPONSES[401]}
+)
 async def list_models(request: Request):
     """The served model with its real limits."""
     state = _state(request)
@@ -291,7 +384,9 @@ async def list_models(request: Request):
     return ModelList(data=[card]).model_dump()
 
 
-@v1.post("/chat/completions")
+@v1.post(
+    "/chat/completions", **_body(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk)
+)
 async def chat_completions(request: Request):
     """OpenAI chat completions (streamed as SSE with `stream: true`)."""
     state = _state(request)
@@ -301,15 +396,19 @@ async def chat_completions(request: Request):
     model = check_model(state, req.model)
     ids, images = await chat_prompt(state, req)
     params = sampling_for(state, req, ids)
+    await check_grammar(state, req, params)
+    params = choice_params(params, req.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    ticket = state.scheduler.submit(ids, params, rid, images=images)
+    tickets = state.scheduler.submit_choices(ids, params, rid, images=images)
+    lp, tools = bool(req.logprobs), req.uses_tools
     if req.stream:
-        stream = chat_stream(ticket, request, rid, model, req.include_usage)
+        stream = chat_stream(tickets, request, rid, model, req.include_usage, lp, tools)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-    return chat_response(await collect(ticket, request), rid, model).model_dump()
+    events = await collect(tickets, request)
+    return chat_response(events, rid, model, lp, tools).model_dump(exclude_none=False)
 
 
-@v1.post("/completions")
+@v1.post("/completions", **_body(CompletionRequest, CompletionResponse, CompletionResponse))
 async def completions(request: Request):
     """OpenAI text completions: `prompt` is a string or a list of token ids."""
     state = _state(request)
@@ -317,12 +416,23 @@ async def completions(request: Request):
     model = check_model(state, req.model)
     ids = await completion_prompt(state, req)
     params = sampling_for(state, req, ids)
+    await check_grammar(state, req, params)
+    params = choice_params(params, req.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    ticket = state.scheduler.submit(ids, params, rid)
+    echo = ""
+    if req.echo:
+        echo = (
+            req.prompt
+            if isinstance(req.prompt, str)
+            else await tokenize(state, state.llm.tokenizer.decode, ids)
+        )
+    tickets = state.scheduler.submit_choices(ids, params, rid)
+    lp = req.logprobs is not None
     if req.stream:
-        stream = completion_stream(ticket, request, rid, model, req.include_usage)
+        stream = completion_stream(tickets, request, rid, model, req.include_usage, lp, echo)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-    return completion_response(await collect(ticket, request), rid, model).model_dump()
+    events = await collect(tickets, request)
+    return completion_response(events, rid, model, lp, echo).model_dump()
 
 
 async def health(request: Request):
@@ -379,7 +489,7 @@ def _add_docs(app: FastAPI, dependencies: list) -> None:
     """/openapi.json, /docs and /redoc behind the same key as the API."""
 
     async def openapi():
-        return JSONResponse(app.openapi())
+        return JSONResponse(openapi_schema(app))
 
     async def docs():
         return get_swagger_ui_html(openapi_url="/openapi.json", title="edgellm-serve")
@@ -391,6 +501,20 @@ def _add_docs(app: FastAPI, dependencies: list) -> None:
         app.add_api_route(
             path, endpoint, methods=["GET"], dependencies=dependencies, include_in_schema=False
         )
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request models (:data:`REQUEST_MODELS`, validation mode)
+    under ``components.schemas``, where the routes' ``requestBody`` refers to them."""
+    if app.openapi_schema is None:
+        schema = app.openapi()
+        _, defs = models_json_schema(
+            [(m, "validation") for m in REQUEST_MODELS],
+            ref_template="#/components/schemas/{model}",
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _begin_serving(app: FastAPI, state: ServeState) -> None:

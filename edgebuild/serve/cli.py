@@ -50,6 +50,13 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
     "--max-kv-cache-capacity", default=16384, type=int, help="KV rows shared by all requests."
 )
 @click.option(
+    "--max-model-len",
+    default=None,
+    type=int,
+    help="vLLM's name: most tokens (prompt + output) of one request; also caps prompts at "
+    "max-model-len - 1 (default: the KV limits decide).",
+)
+@click.option(
     "--max-queued-requests", default=64, type=int, help="Waiting requests beyond a full batch."
 )
 @click.option("--max-request-bytes", default=16 * 1024 * 1024, type=int, help="Body limit.")

@@ -44,6 +44,10 @@ class ServeConfig:
             (RuntimeOptions.max_kv_rows; one request may use all of it). On the TensorRT
             backend the bundle fixes the limits instead: its build.max_kv_cache_capacity is
             per sequence (RuntimeOptions.max_seq_rows) and the pool is max_batch_size of those.
+        max_model_len: vLLM's ``--max-model-len``: most tokens (prompt + generated) one
+            request may reach (RuntimeOptions.max_seq_rows; the TensorRT build's
+            per-sequence capacity); prompts are then at most max_model_len - 1 tokens too.
+            None = the KV limits decide.
         max_queued_requests: requests that may wait beyond a full batch (then 429).
         max_request_bytes: largest accepted request body (then 413).
         allowed_local_media_path: directory `file://` images may come from (vision models).
@@ -74,6 +78,7 @@ class ServeConfig:
     max_batch_size: int = 8
     max_input_len: int = 4096
     max_kv_cache_capacity: int = 16384
+    max_model_len: int | None = None
     max_queued_requests: int = 64
     max_request_bytes: int = 16 * 1024 * 1024
     allowed_local_media_path: Path | None = None
@@ -85,6 +90,13 @@ class ServeConfig:
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     batch_wait_ms: float = 10.0
+
+    @property
+    def input_len(self) -> int:
+        """The prompt limit in effect: max_input_len, below max_model_len when that is set."""
+        if self.max_model_len is None:
+            return self.max_input_len
+        return min(self.max_input_len, self.max_model_len - 1)
 
     @property
     def prefill(self) -> PrefillConfig:
@@ -112,6 +124,8 @@ class ServeConfig:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_queued_requests < 0:
             raise ConfigError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.backend not in BACKENDS:
@@ -268,7 +282,8 @@ def load_state(config: ServeConfig, plan: ServePlan | None = None) -> ServeState
     set_cpu_threads(config.threads)
     options = RuntimeOptions(
         max_kv_rows=config.max_kv_cache_capacity,
-        max_input_len=config.max_input_len,
+        max_input_len=config.input_len,
+        max_seq_rows=config.max_model_len,
         dtype=resolve_dtype(config.dtype),
         prefill=config.prefill,
     )

@@ -2,22 +2,64 @@
 
 Requests are validated strictly (a string where a number belongs is an error, not a
 coercion); unknown fields are ignored, as OpenAI clients send optional fields freely, but a
-known field asking for something this server cannot do (n > 1, logprobs, tools, penalties)
-is refused with a message naming it. Responses mirror the OpenAI shapes field for field.
+known field asking for something this server cannot do (``best_of``, ``suffix``) is refused
+with a message naming it. Responses mirror the OpenAI shapes field for field.
+
+Log-probabilities are the target model's, from its raw logits: before the penalties,
+logit_bias, temperature and top-k / top-p / min-p (vLLM's default ``raw_logprobs``), one entry
+per generated token (EOS included: the entries count ``usage.completion_tokens``).
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from edgebuild.errors import RequestError
 from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.structured import GrammarSpec
 from edgebuild.serve.errors import APIError, bad_request
+from edgebuild.serve.tools import forced_grammar
 
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per request
+
+
+# JSON schemas of the fields validated by hand (plain validators take any JSON value)
+_TEXT_PART = {"$ref": "#/components/schemas/TextPart"}
+_IMAGE_PART = {"$ref": "#/components/schemas/ImagePart"}
+_CONTENT = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}},
+            {"type": "null"},
+        ],
+        "title": "Content",
+    }
+)
+_STOP = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16},
+            {"type": "null"},
+        ],
+        "title": "Stop",
+    }
+)
+_PROMPT = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        ],
+        "title": "Prompt",
+    }
+)
 
 
 class _Strict(BaseModel):
@@ -60,17 +102,57 @@ def _content(value: Any) -> str | list[TextPart | ImagePart]:
     return parts
 
 
+class FunctionCall(_Strict):
+    """``{"name", "arguments"}``: ``arguments`` is JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Strict):
+    """An assistant message's tool call (sent back in the conversation)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    """A tool's function: its ``name``, ``description`` and JSON-schema ``parameters``."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """``tools[i]``: a function the model may call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
 class ChatMessage(_Strict):
     """One chat message; `content` is a string or a list of text / image parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any
+    content: Annotated[Any, _CONTENT] = Field(default=None, validate_default=True)
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
     name: str | None = None
 
     @field_validator("content", mode="plain")
     @classmethod
     def _check_content(cls, value):
-        return _content(value)
+        return "" if value is None else _content(value)
 
     def num_chars(self) -> int:
         """Characters of text in the message (text parts; images not counted)."""
@@ -115,6 +197,33 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the output must validate against."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's ``structured_outputs`` object (one of its fields)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _GenerationRequest(_Strict):
     """Fields shared by chat and text completions (OpenAI names, plus vLLM's top_k etc.)."""
 
@@ -124,7 +233,7 @@ class _GenerationRequest(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: Any = None
+    stop: Annotated[Any, _STOP] = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -132,7 +241,16 @@ class _GenerationRequest(_Strict):
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    min_p: float | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -142,20 +260,81 @@ class _GenerationRequest(_Strict):
 
     def check_supported(self) -> None:
         """Refuse fields whose requested behaviour this server does not implement."""
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (got {self.n}); send one request per choice", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
     def requested_max_tokens(self) -> int | None:
         """The token budget the client asked for (None = server default)."""
         return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per generated token (None = no logprobs)."""
+        return None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured output asked for (``response_format``, vLLM's ``guided_*`` or
+        ``structured_outputs``), None for free text.
+
+        Raises:
+            APIError: 400 when more than one is given, or a json_schema has no schema.
+        """
+        found: list[tuple[str, GrammarSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", GrammarSpec("json_object")))
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or not rf.json_schema.schema_:
+                raise bad_request(
+                    "response_format type json_schema needs json_schema.schema",
+                    "response_format",
+                )
+            found.append(("response_format", _schema_spec(rf.json_schema.schema_)))
+        so = self.structured_outputs
+        pairs = [
+            ("guided_json", self.guided_json, _schema_spec),
+            ("guided_regex", self.guided_regex, lambda v: GrammarSpec("regex", v)),
+            ("guided_choice", self.guided_choice, _choice_spec),
+            ("guided_grammar", self.guided_grammar, lambda v: GrammarSpec("grammar", v)),
+        ]
+        if so is not None:
+            pairs += [
+                ("structured_outputs", so.json_, _schema_spec),
+                ("structured_outputs", so.regex, lambda v: GrammarSpec("regex", v)),
+                ("structured_outputs", so.choice, _choice_spec),
+                ("structured_outputs", so.grammar, lambda v: GrammarSpec("grammar", v)),
+                (
+                    "structured_outputs",
+                    so.json_object or None,
+                    lambda v: GrammarSpec("json_object"),
+                ),
+            ]
+        found += [(name, make(v)) for name, v, make in pairs if v is not None]
+        if len(found) > 1:
+            names = ", ".join(sorted({n for n, _ in found}))
+            raise bad_request(
+                f"ask for one structured output at a time, got several ({names})", found[1][0]
+            )
+        return found[0][1] if found else None
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs.
+
+        Raises:
+            APIError: 400 when a key is not a token id.
+        """
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys must be token ids (strings of integers), got {key!r}",
+                    "logit_bias",
+                ) from None
+            out.append((token, value))
+        return tuple(out)
 
     def sampling_params(
         self, default_max_tokens: int, defaults: dict | None = None
@@ -183,6 +362,16 @@ class _GenerationRequest(_Strict):
                 stop=self.stop or (),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                logit_bias=self.bias(),
+                min_tokens=self.min_tokens,
+                min_p=self.min_p or 0.0,
+                logprobs=self.logprob_count(),
+                grammar=self.grammar_spec(),
             )
         except RequestError as exc:  # the message starts with the field's name
             field_name = str(exc).split(" ", 1)[0]
@@ -201,21 +390,25 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
             raise bad_request("'messages' must contain at least one message", "messages")
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
-        if self.tools:
-            raise bad_request("tool calling is not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise bad_request(
-                "response_format other than 'text' is not supported", "response_format"
+                f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs"
             )
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        name = self.forced_tool()
+        if name is not None and name not in {t.function.name for t in self.tools}:
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given
@@ -223,15 +416,60 @@ class ChatCompletionRequest(_GenerationRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered to the model (given, and tool_choice is not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """As for completions; with ``tool_choice`` required or named, the forced tool call
+        (:func:`edgebuild.serve.tools.forced_grammar`).
+
+        Raises:
+            APIError: 400 for a forced call together with another structured output.
+        """
+        spec = super().grammar_spec()
+        if self.uses_tools and (self.tool_choice == "required" or self.forced_tool()):
+            if spec is not None:
+                raise bad_request(
+                    "tool_choice required / a named function cannot be combined with "
+                    "response_format or guided decoding",
+                    "tool_choice",
+                )
+            return forced_grammar(self.tool_dicts(), self.forced_tool())
+        return spec
+
+    def forced_tool(self) -> str | None:
+        """The function ``tool_choice`` names, else None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.get("name")
+        return None
+
+    def tool_dicts(self) -> list[dict]:
+        """``tools`` as plain dicts (for the chat template and the forced-call schema)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
     def template_messages(self) -> list[dict]:
-        """Messages as the chat template expects them (`role`, text `content`)."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """Messages as the chat template expects them (`role`, text `content`; assistant
+        `tool_calls` and tool `tool_call_id` when given)."""
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        return out
 
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions body; `prompt` is a string or a list of token ids."""
 
-    prompt: Any
+    prompt: Annotated[Any, _PROMPT]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -252,20 +490,43 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("batched prompts are not supported; send one prompt per request")
         raise ValueError("prompt must be a string or a list of token ids")
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported by this server", "echo")
-        if self.logprobs is not None:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise bad_request(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs (prompt log-probabilities) is not supported; send echo "
+                "or logprobs",
+                "echo",
+            )
         if self.suffix:
-            raise bad_request("suffix is not supported by this server", "suffix")
+            raise bad_request(
+                "suffix (fill-in-the-middle) is not supported by this server", "suffix"
+            )
         if self.best_of not in (None, 1):
-            raise bad_request("best_of must be 1", "best_of")
+            raise bad_request(
+                "best_of is not supported by this server (it ranks whole sequences); send n "
+                "for several choices",
+                "best_of",
+            )
         if isinstance(self.prompt, str) and not self.prompt:
             raise bad_request("the prompt is empty", "prompt")
         if isinstance(self.prompt, list) and not self.prompt:
             raise bad_request("the prompt is empty (0 token ids)", "prompt")
+
+
+def _schema_spec(value) -> GrammarSpec:
+    return GrammarSpec("json_schema", value if isinstance(value, str) else json.dumps(value))
+
+
+def _choice_spec(value: list[str]) -> GrammarSpec:
+    if not value or any(not c for c in value):
+        raise bad_request("guided_choice must be a list of non-empty strings", "guided_choice")
+    return GrammarSpec("choice", json.dumps(value))
 
 
 def parse_request(model: type[_GenerationRequest], body: dict) -> _GenerationRequest:
@@ -295,32 +556,94 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 # ---------------------------------------------------------------------- responses
+class ErrorDetail(BaseModel):
+    """What went wrong (``message`` says how to fix it) and which field (``param``)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error of the API: 400 bad request, 401 key, 404 model, 413 body size, 429 busy
+    (``Retry-After``), 500 server, 503 starting or shutting down (``Retry-After``)."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
-    """Token counts of one request."""
+    """Token counts of one request (all its choices)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
+
+
+class TopLogprob(BaseModel):
+    """A token (its text and UTF-8 bytes) with its log-probability under the target."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's entry, with the ``top_logprobs`` most likely alternatives."""
+
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat ``choices[i].logprobs``: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Text-completion ``choices[i].logprobs`` (the legacy shape): parallel lists."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class ResponseToolCall(BaseModel):
+    """A tool call the model made (``arguments``: JSON text)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -337,13 +660,14 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # {index, id, type, function: {name, arguments}}
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -361,7 +685,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -70,7 +70,10 @@ class Event:
 
     kind: "token" (more text), "done" (finished; `text` is the last delta, `final_text` the
     whole output) or "error" (`status`, `message`, `code`, and `retry_after` seconds for a
-    temporary refusal).
+    temporary refusal). ``logprobs``: the entries (OpenAI chat shape: ``token``, ``logprob``,
+    ``bytes``, ``top_logprobs``) of the tokens committed since the previous event, so the
+    entries of all events concatenate to one per output token; ``cached_tokens``: prompt
+    tokens served from the prefix cache.
     """
 
     kind: str
@@ -84,6 +87,8 @@ class Event:
     code: str | None = None
     retry_after: int | None = None
     metrics: dict = field(default_factory=dict)
+    logprobs: list[dict] = field(default_factory=list)
+    cached_tokens: int = 0
 
 
 class Ticket:
@@ -109,6 +114,8 @@ class Ticket:
         self.ended = False  # worker side: a terminal event was posted
         self.arrival = time.perf_counter()
         self.preempted: _Active | None = None  # worker side: its state while requeued
+        self.after: Ticket | None = None  # choice i > 0: admitted once choice 0 prefilled
+        self.prefilled = False  # worker side: its first token is out (or it ended)
         self._getter: asyncio.Task | None = None
 
     def cancel(self) -> None:
@@ -160,6 +167,7 @@ class _Active:
     state: RequestState
     sent: str = ""
     first_token_at: float | None = None
+    logprobs_sent: int = 0  # entries of state.logprobs already posted
 
 
 def _internal(exc: Exception) -> str:
@@ -215,6 +223,7 @@ class Scheduler:
         self._abort = False  # the worker is to end everything in flight with 503
         self._ids = 0
         self._thread: threading.Thread | None = None
+        self._token_text: dict[int, str] = {}  # worker side: decoded single tokens
 
     # ------------------------------------------------------------------ asyncio side
     def start(self) -> None:
@@ -249,6 +258,20 @@ class Scheduler:
             QueueFullError: too many requests in flight (429).
             APIError: 503 when the server is shutting down.
         """
+        return self.submit_choices(prompt_ids, [params], request_id, images)[0]
+
+    def submit_choices(
+        self, prompt_ids: list[int], params: list[SamplingParams], request_id=None, images=None
+    ) -> list[Ticket]:
+        """Queue the ``n = len(params)`` choices of one request, all or none: each is a
+        ticket counted in flight (admission, preemption and the 429 limit see every choice).
+        Choices after the first wait for the first's prefill, so that with prefix caching on
+        they attach its prompt pages instead of computing their own.
+
+        Raises:
+            QueueFullError: the choices do not all fit in flight (429).
+            APIError: 503 when the server is shutting down.
+        """
         loop = asyncio.get_running_loop()
         with self._cond:
             if self._closing or not self.alive:
@@ -260,17 +283,22 @@ class Scheduler:
                     retry_after=RETRY_AFTER_S,
                 )
             limit = self.max_batch_size + self.max_queued_requests
-            if self._inflight >= limit:
+            if self._inflight + len(params) > limit:
                 self.metrics.rejected.labels("429").inc()
                 raise QueueFullError(limit)
             self._ids += 1
-            ticket = Ticket(self, request_id or f"req-{self._ids}", prompt_ids, params, loop)
-            ticket.images = list(images or [])
-            self._waiting.append(ticket)
-            self._inflight += 1
+            rid = request_id or f"req-{self._ids}"
+            tickets = []
+            for i, p in enumerate(params):
+                t = Ticket(self, rid if i == 0 else f"{rid}-{i}", prompt_ids, p, loop)
+                t.images = list(images or [])
+                t.after = tickets[0] if tickets else None
+                tickets.append(t)
+            self._waiting.extend(tickets)
+            self._inflight += len(tickets)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
-        return ticket
+        return tickets
 
     def wake(self) -> None:
         """Wake the worker (a request was cancelled)."""
@@ -395,6 +423,9 @@ class Scheduler:
                 self._inflight -= 1
                 ticket.ended = True
                 continue
+            first = ticket.after
+            if first is not None and not (first.prefilled or first.ended or self._caching_off):
+                break  # its prompt pages are about to be cached by choice 0 (one prefill)
             need_t, need_d = self._first_step_pages(ticket)
             if need_t > free_t or need_d > free_d:
                 if not self._active and not out:  # cannot fit even alone: fail it clearly
@@ -510,6 +541,7 @@ class Scheduler:
     def _publish(self, a: _Active, now: float) -> None:
         """Post the request's new text; end it when it finished."""
         st = a.state
+        a.ticket.prefilled = a.ticket.prefilled or st.anchor is not None
         if st.new_tokens:
             self.metrics.generation_tokens.inc(len(st.new_tokens))
             if a.first_token_at is None:
@@ -517,10 +549,38 @@ class Scheduler:
                 self.metrics.ttft.observe(now - a.ticket.arrival)
         delta = next_delta(st.stopper, a.sent)
         a.sent += delta
-        if st.finished:
+        if st.finished and st.grammar is not None and st.grammar.dead:
+            msg = (
+                "the requested structured output cannot be continued with this model's "
+                "vocabulary (no token fits the grammar at some point); simplify the schema / "
+                "regex / grammar"
+            )
+            self._end(
+                a, Event("error", status=400, message=msg, code="grammar_unsatisfiable"), "error"
+            )
+        elif st.finished:
             self._end(a, self._done_event(a, delta), st.stopper.finish_reason)
         elif delta:
-            a.ticket.post(Event("token", text=delta))
+            a.ticket.post(Event("token", text=delta, logprobs=self._new_logprobs(a)))
+
+    def _new_logprobs(self, a: _Active) -> list[dict]:
+        """The log-probability entries of `a` not posted yet (OpenAI chat shape)."""
+        new = a.state.logprobs[a.logprobs_sent :]
+        a.logprobs_sent += len(new)
+        return [
+            {
+                **self._token_entry(e.token_id, e.logprob),
+                "top_logprobs": [self._token_entry(t, lp) for t, lp in e.top],
+            }
+            for e in new
+        ]
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.llm.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _done_event(self, a: _Active, delta: str) -> Event:
         st = a.state
@@ -532,7 +592,13 @@ class Scheduler:
             prompt_tokens=len(st.prompt_ids),
             completion_tokens=len(st.output_ids),
             metrics=st.metrics.to_dict(),
+            logprobs=self._new_logprobs(a),
+            cached_tokens=st.metrics.cached_prompt_tokens,
         )
+
+    @property
+    def _caching_off(self) -> bool:
+        return not self.llm.decoder.prefill_config.enable_prefix_caching
 
     def _release(self, ticket: Ticket) -> None:
         """Count the request out of the in-flight total (idempotent)."""

@@ -1,8 +1,10 @@
 """Turning a ticket's events into HTTP answers: SSE chunks for streams, one body otherwise.
 
-Streamed chat: a first chunk with `role`, one chunk per text delta, a chunk with the
-`finish_reason`, then (with `stream_options.include_usage`) a usage chunk with empty
-`choices`, then `data: [DONE]`. A failure after the stream started is sent as an SSE
+Streamed chat: a first chunk with `role` per choice, one chunk per text delta (with the
+log-probability entries of every token it carries), a chunk with the `finish_reason` per
+choice, then (with `stream_options.include_usage`) a usage chunk with empty `choices` (the
+sums over the choices), then `data: [DONE]`. With ``n > 1`` each chunk carries its choice's
+``index``; the choices' chunks interleave as their tokens come. A failure after the stream started is sent as an SSE
 `{"error": ...}` event, which OpenAI clients raise. Leaving the stream early (the client went
 away, or the task was cancelled) cancels the request so the worker frees its KV pages.
 """
@@ -23,12 +25,15 @@ from edgebuild.serve.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChoiceLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
     Usage,
 )
 from edgebuild.serve.scheduler import Event, Ticket
+from edgebuild.serve.tools import ToolStreamFilter, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -49,121 +54,262 @@ def _chunk(model) -> str:
     return sse(d)
 
 
-def _usage(ev: Event) -> Usage:
-    return Usage.of(ev.prompt_tokens, ev.completion_tokens)
+def _usage(events: list[Event]) -> Usage:
+    """Usage of a request: its prompt once, the completion tokens of every choice summed."""
+    return Usage.of(
+        events[0].prompt_tokens,
+        sum(ev.completion_tokens for ev in events),
+        min(ev.cached_tokens for ev in events),
+    )
 
 
-async def watch_disconnect(request: Request, ticket: Ticket) -> None:
-    """Cancel `ticket` as soon as the client's connection closes (the request body has been
-    read, so the next ASGI message is the disconnect), so that the worker drops it before
+async def watch_disconnect(request: Request, tickets: list[Ticket]) -> None:
+    """Cancel `tickets` as soon as the client's connection closes (the request body has been
+    read, so the next ASGI message is the disconnect), so that the worker drops them before
     its next decoder step."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            ticket.cancel()
+            for ticket in tickets:
+                ticket.cancel()
             return
 
 
-async def collect(ticket: Ticket, request: Request) -> Event:
-    """Wait for the terminal event of a non-streamed request (cancelled at once when the
-    client goes away: :func:`watch_disconnect`).
+async def merged(tickets: list[Ticket], is_disconnected=None) -> AsyncIterator[tuple[int, Event]]:
+    """(choice index, event) of every ticket as they come, until each ended."""
+    if len(tickets) == 1:
+        async for ev in tickets[0].events(is_disconnected):
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, ticket: Ticket) -> None:
+        try:
+            async for ev in ticket.events(is_disconnected):
+                await queue.put((i, ev))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(tickets)]
+    running = len(tickets)
+    try:
+        while running:
+            i, ev = await queue.get()
+            if ev is None:
+                running -= 1
+                continue
+            yield i, ev
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def collect(tickets: list[Ticket], request: Request) -> list[Event]:
+    """Wait for the terminal events of a non-streamed request's choices (cancelled at once
+    when the client goes away: :func:`watch_disconnect`); each done event carries all the
+    log-probability entries of its choice.
 
     Raises:
-        APIError: the request failed (status from the worker) or the client went away.
+        APIError: a choice failed (status from the worker) or the client went away.
     """
-    watcher = asyncio.ensure_future(watch_disconnect(request, ticket))
+    watcher = asyncio.ensure_future(watch_disconnect(request, tickets))
+    done: list[Event | None] = [None] * len(tickets)
+    entries: list[list[dict]] = [[] for _ in tickets]
     try:
-        async for ev in ticket.events():
+        async for i, ev in merged(tickets):
+            entries[i].extend(ev.logprobs)
             if ev.kind == "done":
-                return ev
-            if ev.kind == "error":
+                ev.logprobs = entries[i]
+                done[i] = ev
+            elif ev.kind == "error":
                 raise APIError(ev.status, ev.message, None, ev.code, ev.retry_after)
-        raise APIError(400, "the client disconnected", None, "client_disconnected")
+        if any(ev is None for ev in done):
+            raise APIError(400, "the client disconnected", None, "client_disconnected")
+        return done
     finally:
         watcher.cancel()
-        ticket.cancel()
+        for ticket in tickets:
+            ticket.cancel()
 
 
-def chat_response(ev: Event, request_id: str, model: str) -> ChatCompletionResponse:
-    """The non-streamed chat completion of a finished request."""
-    return ChatCompletionResponse(
-        id=request_id,
-        model=model,
-        choices=[
+def _chat_logprobs(ev: Event, wanted: bool) -> ChoiceLogprobs | None:
+    return ChoiceLogprobs(content=ev.logprobs) if wanted else None
+
+
+def _message(ev: Event, tools: bool) -> tuple[AssistantMessage, str | None]:
+    """The assistant message of a finished choice and its finish_reason (``tool_calls``
+    when its text held calls and tools were offered: :mod:`edgebuild.serve.tools`)."""
+    if tools:
+        content, calls = parse_tool_calls(ev.final_text)
+        if calls:
+            return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+    return AssistantMessage(content=ev.final_text), ev.finish_reason
+
+
+def chat_response(
+    events: list[Event], request_id: str, model: str, logprobs: bool = False, tools=False
+) -> ChatCompletionResponse:
+    """The non-streamed chat completion of a finished request (one choice per event)."""
+    choices = []
+    for i, ev in enumerate(events):
+        message, finish = _message(ev, tools)
+        choices.append(
             ChatChoice(
-                message=AssistantMessage(content=ev.final_text), finish_reason=ev.finish_reason
+                index=i,
+                message=message,
+                finish_reason=finish,
+                logprobs=_chat_logprobs(ev, logprobs),
             )
-        ],
-        usage=_usage(ev),
-    )
+        )
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(events))
 
 
-def completion_response(ev: Event, request_id: str, model: str) -> CompletionResponse:
-    """The non-streamed text completion of a finished request."""
+def tool_call_deltas(calls: list[dict]) -> list[dict]:
+    """OpenAI's streamed tool-call deltas of `calls`: per call, one delta with its index,
+    id, type and name (empty arguments), then one with the arguments."""
+    out = []
+    for k, c in enumerate(calls):
+        head = {"name": c["function"]["name"], "arguments": ""}
+        out.append({"index": k, "id": c["id"], "type": "function", "function": head})
+        out.append({"index": k, "function": {"arguments": c["function"]["arguments"]}})
+    return out
+
+
+class CompletionLogprobsBuilder:
+    """The legacy completions ``logprobs`` object of one choice, built chunk by chunk
+    (``text_offset`` continues across chunks, from the echoed prompt's length)."""
+
+    def __init__(self, offset: int = 0):
+        self.offset = offset
+
+    def __call__(self, entries: list[dict]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for e in entries:
+            out.tokens.append(e["token"])
+            out.token_logprobs.append(e["logprob"])
+            out.top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+            out.text_offset.append(self.offset)
+            self.offset += len(e["token"])
+        return out
+
+
+def completion_response(
+    events: list[Event], request_id: str, model: str, logprobs: bool = False, echo: str = ""
+) -> CompletionResponse:
+    """The non-streamed text completion of a finished request (``echo``: the prompt text,
+    put before each choice's text)."""
     return CompletionResponse(
         id=request_id,
         model=model,
-        choices=[CompletionChoice(text=ev.final_text, finish_reason=ev.finish_reason)],
-        usage=_usage(ev),
+        choices=[
+            CompletionChoice(
+                index=i,
+                text=echo + ev.final_text,
+                finish_reason=ev.finish_reason,
+                logprobs=CompletionLogprobsBuilder(len(echo))(ev.logprobs) if logprobs else None,
+            )
+            for i, ev in enumerate(events)
+        ],
+        usage=_usage(events),
     )
 
 
 async def chat_stream(
-    ticket: Ticket, request: Request, request_id: str, model: str, include_usage: bool
+    tickets: list[Ticket],
+    request: Request,
+    request_id: str,
+    model: str,
+    include_usage: bool,
+    logprobs: bool = False,
+    tools: bool = False,
 ) -> AsyncIterator[str]:
-    """SSE chunks of a streamed chat completion."""
+    """SSE chunks of a streamed chat completion (one choice per ticket). With ``tools``,
+    text that may start a ``<tool_call>`` block is held back; at the end of the choice its
+    calls go out as tool-call deltas (:func:`tool_call_deltas`), the rest as content."""
     created = int(time.time())
 
-    def chunk(delta: DeltaMessage, finish: str | None = None, usage: Usage | None = None) -> str:
-        choices = [] if usage is not None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+    def chunk(i: int, delta: DeltaMessage, finish=None, lp=None) -> str:
+        choice = ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp)
         return _chunk(
-            ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
-            )
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
         )
 
+    done: list[Event] = []
+    filters = [ToolStreamFilter() if tools else None for _ in tickets]
     try:
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        async for ev in ticket.events(request.is_disconnected):
+        for i in range(len(tickets)):
+            yield chunk(i, DeltaMessage(role="assistant", content=""))
+        async for i, ev in merged(tickets, request.is_disconnected):
             if ev.kind == "error":
                 yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
-            if ev.text:
-                yield chunk(DeltaMessage(content=ev.text))
+            text = ev.text if filters[i] is None else filters[i].feed(ev.text)
+            if text or ev.logprobs:
+                yield chunk(i, DeltaMessage(content=text), lp=_chat_logprobs(ev, logprobs))
             if ev.kind == "done":
-                yield chunk(DeltaMessage(), ev.finish_reason)
-                if include_usage:
-                    yield chunk(DeltaMessage(), usage=_usage(ev))
+                done.append(ev)
+                finish = ev.finish_reason
+                if filters[i] is not None and filters[i].held:
+                    content, calls = parse_tool_calls(filters[i].held)
+                    if content and not calls:
+                        content = filters[i].held  # no call in it: the text as it was
+                    if content:
+                        yield chunk(i, DeltaMessage(content=content))
+                    if calls:
+                        yield chunk(i, DeltaMessage(tool_calls=tool_call_deltas(calls)))
+                        finish = "tool_calls"
+                yield chunk(i, DeltaMessage(), finish)
+        if include_usage and len(done) == len(tickets):
+            usage = ChatCompletionChunk(
+                id=request_id, created=created, model=model, choices=[], usage=_usage(done)
+            )
+            yield _chunk(usage)
         yield DONE
     finally:
-        ticket.cancel()
+        for ticket in tickets:
+            ticket.cancel()
 
 
 async def completion_stream(
-    ticket: Ticket, request: Request, request_id: str, model: str, include_usage: bool
+    tickets: list[Ticket],
+    request: Request,
+    request_id: str,
+    model: str,
+    include_usage: bool,
+    logprobs: bool = False,
+    echo: str = "",
 ) -> AsyncIterator[str]:
-    """SSE chunks of a streamed text completion."""
+    """SSE chunks of a streamed text completion (one choice per ticket; ``echo`` first)."""
     created = int(time.time())
+    builders = [CompletionLogprobsBuilder(len(echo)) for _ in tickets]
 
-    def chunk(text: str, finish: str | None = None, usage: Usage | None = None) -> str:
-        choices = [] if usage is not None else [CompletionChoice(text=text, finish_reason=finish)]
+    def chunk(i: int, text: str, finish=None, entries=None) -> str:
+        lp = builders[i](entries or []) if logprobs and entries is not None else None
+        choice = CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)
         return _chunk(
-            CompletionResponse(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
-            )
+            CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
         )
 
+    done: list[Event] = []
     try:
-        async for ev in ticket.events(request.is_disconnected):
+        if echo:
+            for i in range(len(tickets)):
+                yield chunk(i, echo)
+        async for i, ev in merged(tickets, request.is_disconnected):
             if ev.kind == "error":
                 yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
             if ev.kind == "token":
-                yield chunk(ev.text)
+                yield chunk(i, ev.text, entries=ev.logprobs)
             else:
-                yield chunk(ev.text, ev.finish_reason)
-                if include_usage:
-                    yield chunk("", usage=_usage(ev))
+                done.append(ev)
+                yield chunk(i, ev.text, ev.finish_reason, ev.logprobs)
+        if include_usage and len(done) == len(tickets):
+            usage = CompletionResponse(
+                id=request_id, created=created, model=model, choices=[], usage=_usage(done)
+            )
+            yield _chunk(usage)
         yield DONE
     finally:
-        ticket.cancel()
+        for ticket in tickets:
+            ticket.cancel()

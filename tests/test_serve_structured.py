@@ -1,0 +1,207 @@
+"""Structured outputs (xgrammar) through the official `openai` client on the real SmolLM2,
+DSpark (the shipped draft) and target-only: `client.chat.completions.parse` returns a parsed
+object on 10 prompts, constrained greedy DSpark == constrained greedy target-only, guided
+choice / regex / json_object always match, bad grammars are a 400 naming the field; and the
+exactness rule of a draft cut by the grammar (hand-built p / q tables)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pydantic
+import pytest
+import torch
+from serve_fixtures import serving, torch_threads
+
+from edgebuild.runtime.backend import Proposal
+from edgebuild.runtime.llm import LLM
+from edgebuild.runtime.rejection import verify_batch
+from edgebuild.runtime.sampling import SamplingParams
+from tests.conftest import ROOT
+
+MODEL = "smollm2"
+DRAFT = ROOT / "edgebuild" / "data" / "smollm2-135m-dspark"
+PROMPTS = [f"Describe a person called {n} as JSON." for n in
+           ("Ann", "Bob", "Chen", "Dana", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jo")]  # fmt: skip
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    age: int
+
+
+@pytest.fixture(scope="module")
+def dspark_llm(smollm2_dir):
+    spec = {"method": "dspark", "model": str(DRAFT), "num_speculative_tokens": 7}
+    return LLM(smollm2_dir, speculative=spec)
+
+
+@pytest.fixture(scope="module")
+def clients(smollm2_llm, dspark_llm):
+    with (
+        torch_threads(1),
+        serving(smollm2_llm, served_model_name=MODEL) as plain,
+        serving(dspark_llm, served_model_name=MODEL) as spec,
+    ):
+        yield {
+            name: openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+            for name, srv in (("target-only", plain), ("dspark", spec))
+        }
+
+
+def ask(client, content, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0.0, **kw
+    )
+
+
+def test_parse_returns_a_parsed_object_on_10_prompts_dspark_equals_target_only(clients):
+    texts = {}
+    for name, client in clients.items():
+        texts[name] = []
+        for prompt in PROMPTS:
+            r = client.chat.completions.parse(
+                model=MODEL,
+                messages=[{"role": "user", "content": prompt}],
+                response_format=Person,
+                max_tokens=48,
+                temperature=0.0,
+            )
+            msg = r.choices[0].message
+            assert isinstance(msg.parsed, Person), msg.content
+            texts[name].append(msg.content)
+    assert texts["dspark"] == texts["target-only"]
+
+
+@pytest.mark.parametrize("name", ["target-only", "dspark"])
+def test_guided_choice_regex_and_json_object_always_match(clients, name):
+    client = clients[name]
+    choices = ["red", "green", "blue"]
+    r = ask(client, "Pick a colour.", max_tokens=8, extra_body={"guided_choice": choices})
+    assert r.choices[0].message.content in choices
+    r = ask(client, "A date?", max_tokens=16, extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]"})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]", r.choices[0].message.content)
+    r = ask(client, "A JSON object", max_tokens=40, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still a prefix of a JSON object
+        assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_bad_grammars_are_a_400_naming_the_field(clients):
+    client = clients["target-only"]
+    with pytest.raises(openai.BadRequestError, match="regex") as err:
+        ask(client, "x", max_tokens=4, extra_body={"guided_regex": "(unclosed"})
+    assert err.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError, match="one structured output") as err:
+        ask(client, "x", max_tokens=4, extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    with pytest.raises(openai.BadRequestError, match="json_schema needs") as err:
+        ask(client, "x", max_tokens=4, response_format={"type": "json_schema"})
+
+
+def test_a_draft_cut_by_the_grammar_counts_as_rejected():
+    """p (rows 0, 1) and the draft's q: the 2nd draft (token 2) was refused by the grammar and
+    cut. With it kept as ``rejected``, the token after the accepted 1st draft comes from the
+    residual max(0, p_1 - q_2) = token 1 only; as a plain 1-draft block it would be a bonus
+    from p_1 (tokens 0 and 1)."""
+    p_logits = torch.log(torch.tensor([[1e-9, 1e-9, 1.0], [0.5, 0.5, 1e-12]]))
+    q = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])  # draft 1 = token 2, draft 2 refused
+    full = Proposal([2, 0], q, torch.ones(2))
+    cut = full.cut(1)
+    assert cut.tokens == [2] and cut.rejected.tokens == [0]
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    seen_cut, seen_plain = set(), set()
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        (v,) = verify_batch([p_logits], [cut], [params], [g])
+        assert v.accepted == 1
+        seen_cut.add(v.next_token)
+        g = torch.Generator().manual_seed(seed)
+        (v,) = verify_batch([p_logits], [full.truncated(1)], [params], [g])
+        seen_plain.add(v.next_token)
+    assert seen_cut == {1} and seen_plain == {0, 1}
+
+
+# ---------------------------------------------------------------------- tool calls
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("name", ["target-only", "dspark"])
+def test_tool_round_trip_call_result_answer(clients, name):
+    client = clients[name]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=MODEL, tools=[WEATHER, TIME], temperature=0.0, max_tokens=40)
+    r = client.chat.completions.create(messages=messages, tool_choice="required", **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert isinstance(args, dict)
+    named = client.chat.completions.create(
+        messages=messages,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **kw,
+    )
+    (wcall,) = named.choices[0].message.tool_calls
+    assert wcall.function.name == "get_weather" and "city" in json.loads(wcall.function.arguments)
+    # streamed: OpenAI's tool-call deltas add up to the same call
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            stream=True,
+            **kw,
+        )
+    )
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == wcall.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the result goes back as role "tool"; the model answers in text
+    messages += [
+        named.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": wcall.id, "content": '{"temperature_c": 21}'},
+    ]
+    final = client.chat.completions.create(messages=messages, **kw)
+    assert final.choices[0].message.content
+    assert final.choices[0].finish_reason in ("stop", "length")
+    none = client.chat.completions.create(messages=messages[:1], tool_choice="none", **kw)
+    assert none.choices[0].message.tool_calls is None
+
+
+def test_tool_call_parsing_and_stream_filter():
+    from edgebuild.serve.tools import ToolStreamFilter, parse_tool_calls
+
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "g"}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Sure."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1}),
+        ("g", {}),
+    ]
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == (
+        "<tool_call>not json</tool_call>",
+        [],
+    )
+    f = ToolStreamFilter()
+    sent = [f.feed(d) for d in ["Hello <", "tool", "_call>{", '"name": "f"}</tool_call>']]
+    assert sent == ["Hello ", "", "", ""]
+    assert f.held == '<tool_call>{"name": "f"}</tool_call>'
+    g = ToolStreamFilter()
+    assert [g.feed(d) for d in ["a <t", "x> d", " <b"]] == ["a ", "<tx> d", " <b"]
