@@ -452,10 +452,16 @@ def draft_role(recipe: Recipe) -> str:
 
 
 def _role_entry(exported, role: str) -> dict:
-    """The manifest's ``roles.<role>``: files, graph kind, dtype, I/O and weight provenance."""
+    """The manifest's ``roles.<role>``: files, graph kind, dtype, I/O and weight provenance.
+
+    A draft graph that reads the target's shared tensors lives in the base's folder
+    (``base/draft.onnx``, :class:`~edgebuild.export.weights.SharedWeights`); its config and
+    engine stay in ``<role>/``.
+    """
+    folder = exported.onnx_path.parent.name  # the role's folder, or base/ for a shared draft
     return {
-        "onnx": f"{role}/{exported.onnx_path.name}",
-        "onnx_data": f"{role}/{exported.data_path.name}",
+        "onnx": f"{folder}/{exported.onnx_path.name}",
+        "onnx_data": f"{folder}/{exported.data_path.name}",
         "config": f"{role}/config.json",
         "engine": None,
         "graph_kind": exported.kind.value,
@@ -463,11 +469,23 @@ def _role_entry(exported, role: str) -> dict:
         **exported.io_json(),
         "quantized": dict(sorted(exported.weights.quantized.items())),
         "weight_sources": dict(sorted(exported.weights.borrowed.items())),
+        # the target tensors a draft borrows, stored once (export.weights.SharedWeights)
+        "onnx_shared_data": f"{folder}/{exported.shared_path.name}"
+        if exported.shared_path
+        else None,
+        "shared_initializers": sorted(exported.weights.shared),
     }
 
 
 def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progress) -> dict:
-    from edgebuild.export import ExportOptions, GraphKind, WeightMode, export_base, export_draft
+    from edgebuild.export import (
+        ExportOptions,
+        GraphKind,
+        SharedWeights,
+        WeightMode,
+        export_base,
+        export_draft,
+    )
 
     recipe, b = plan.recipe, plan.recipe.build
     top_k = recipe.speculative.draft_top_k if recipe.speculative else 16
@@ -482,8 +500,9 @@ def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progre
     )
     taps = tuple(plan.draft_config.target_layer_ids) if plan.draft_config is not None else ()
     roles = {}
+    shared = SharedWeights.for_pair(plan.pair) if plan.pair is not None else None
     progress.stage("export base", plan.target.total_bytes())
-    base = export_base(plan.target, tmp / "base", opts, taps, progress.advance)
+    base = export_base(plan.target, tmp / "base", opts, taps, progress.advance, shared)
     progress.done()
     shutil.copyfile(plan.target.config_path, tmp / "base" / "config.json")
     roles["base"] = _role_entry(base, "base")
@@ -493,7 +512,7 @@ def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progre
         progress.stage(f"export {role}", plan.pair.draft.total_bytes())
         draft = export_draft(
             plan.pair, plan.target_config, tmp / role, opts, progress.advance,
-            config=plan.draft_config,  # validated in stage 1
+            config=plan.draft_config, shared=shared,  # validated in stage 1
         )  # fmt: skip
         progress.done()
         shutil.copyfile(plan.pair.draft.config_path, tmp / role / "config.json")
