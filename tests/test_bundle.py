@@ -131,6 +131,8 @@ def test_the_draft_graph_reads_the_targets_embedding_and_head_from_one_shared_fi
     vocab_hidden = tcfg["vocab_size"] * tcfg["hidden_size"] * 2  # build.precision bf16
     shared = m["files"]["base/shared.onnx.data"]["size"]
     assert 2 * vocab_hidden <= shared < 2 * vocab_hidden + 8192
+    # the plan states the bytes not copied: head + embedding as stored (fp32 checkpoint)
+    assert m["dspark"]["shared_bytes"] == 2 * 2 * vocab_hidden
     own = {n: int(e["length"]) for n, e in d.items() if e.get("location") == "draft.onnx.data"}
     data = m["files"]["base/draft.onnx.data"]["size"]
     assert sum(own.values()) <= data <= sum(own.values()) + 4096 * len(own)  # no other bytes

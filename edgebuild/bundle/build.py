@@ -133,6 +133,7 @@ class BuildPlan:
     formats: tuple[str, ...]
     vision: VisionConfig | None = None
     hub: dict[str, dict] | None = None  # role -> the manifest's sources.<role>.hub entry
+    shared_bytes: int = 0  # checkpoint bytes of the target tensors the draft borrows (stored once)
 
 
 def _formats(source: WeightSource) -> set[QuantAlgo]:
@@ -299,6 +300,10 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         DraftGraph(
             model, GraphKind.PORTABLE, b.page_size, 1, max(1, recipe.speculative.draft_top_k)
         )
+    shared = _shared_bytes(pair) if pair is not None else 0
+    if shared:
+        log.info("the draft reads %.1f MB of the target's head / embedding from the base's "
+                 "shared.onnx.data: %.1f MB not copied into its graph", shared / 1e6, shared / 1e6)  # fmt: skip
     for source in (target, *((pair.draft, pair.target) if pair else ())):
         source.close()  # validation read quantized tensors through mmap: release the pages
     return BuildPlan(
@@ -311,7 +316,28 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         dtype,
         tuple(sorted(f.value for f in formats)),
         vision,
+        shared_bytes=shared,
     )
+
+
+def _shared_bytes(pair: PairedSources) -> int:
+    """Stored bytes of the target tensors the draft borrows (head, embedding; an NVFP4 head
+    with its scales), counted once when head and embedding are one tied tensor: what the
+    draft graph does not copy (:class:`~edgebuild.export.weights.SharedWeights`)."""
+    from edgebuild.checkpoint.quant import is_quant_aux_tensor
+
+    names = {
+        f.name
+        for f in (pair.lm_head(), pair.embed_tokens())
+        if f.checkpoint_source == pair.target.checkpoint_source
+    }
+    total = 0
+    for name in names:
+        prefix = name.rpartition(".")[0]
+        for other in pair.target.names():  # the weight and its quantization side tensors
+            if other == name or (other.startswith(prefix + ".") and is_quant_aux_tensor(other)):
+                total += pair.target.info(other).nbytes
+    return total
 
 
 def _plan_visual(recipe: Recipe, target: WeightSource, tcfg: ModelConfig) -> VisionConfig | None:
@@ -614,6 +640,7 @@ def _manifest(plan: BuildPlan, options: BuildOptions, tmp: Path, exported: dict,
         dspark["lm_head_source"] = plan.pair.lm_head().checkpoint_source
         dspark["embed_tokens_source"] = plan.pair.embed_tokens().checkpoint_source
         dspark["top_k"] = exported["roles"][draft_role(recipe)]["top_k"]
+        dspark["shared_bytes"] = plan.shared_bytes  # checkpoint bytes not copied into the draft
     for role, entry in sources.items():
         entry["quant"] = sorted(
             f.value for f in _formats(plan.target if role == "target" else plan.pair.draft)
