@@ -320,6 +320,9 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
     )
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def _shared_bytes(pair: PairedSources) -> int:
     """Stored bytes of the target tensors the draft borrows (head, embedding; an NVFP4 head
     with its scales), counted once when head and embedding are one tied tensor: what the
@@ -641,6 +644,8 @@ def _manifest(plan: BuildPlan, options: BuildOptions, tmp: Path, exported: dict,
         dspark["embed_tokens_source"] = plan.pair.embed_tokens().checkpoint_source
         dspark["top_k"] = exported["roles"][draft_role(recipe)]["top_k"]
         dspark["shared_bytes"] = plan.shared_bytes  # checkpoint bytes not copied into the draft
+        dtype = exported["roles"][draft_role(recipe)]["dtype"]  # the draft cache's dtype
+        dspark["kv_cache"] = plan.draft_config.kv_budget(_DTYPE_BYTES.get(dtype, 2))
     for role, entry in sources.items():
         entry["quant"] = sorted(
             f.value for f in _formats(plan.target if role == "target" else plan.pair.draft)

@@ -390,6 +390,19 @@ class DSparkConfig:
         """Width of the confidence head's input: d (+ r with the Markov input)."""
         return self.hidden_size + (self.markov_rank if self.confidence_head_with_markov else 0)
 
+    def kv_bytes_per_row(self, dtype_bytes: int) -> int:
+        """K + V bytes of one context row over all draft layers (``dtype_bytes`` per value)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    def kv_budget(self, dtype_bytes: int) -> dict:
+        """What the draft's context cache costs: a full-attention draft holds one row per
+        target position (``bytes_per_token``; its pages are counted beside the target's).
+
+        Returns:
+            ``{"attention": "full", "bytes_per_token": int}``.
+        """
+        return {"attention": "full", "bytes_per_token": self.kv_bytes_per_row(dtype_bytes)}
+
     def where(self, name: str) -> str:
         """The config field path of DSpark field ``name`` (for messages)."""
         found = self.fields_from.get(name, name)

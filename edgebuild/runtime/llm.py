@@ -74,6 +74,11 @@ class RuntimeOptions:
     quant: None, or ``"int8"``: weight-only int8 linears on the CPU (opt-in: faster, but the
         outputs are the int8 model's, not the checkpoint's; DSpark still equals target-only).
     prefill: chunked / batched prefill and prefix caching (:mod:`edgebuild.runtime.prefill`).
+    max_draft_kv_rows: context rows of the DSpark draft's own paged cache (a full-attention
+        draft holds one row per target position); None = max_kv_rows. Admission and
+        preemption count the draft's pages beside the target's (:meth:`LLM.step_pages`): a
+        request whose next step fits the target's pages but not the draft's waits or is
+        preempted like one that does not fit the target.
     """
 
     max_kv_rows: int = 16384
@@ -84,6 +89,7 @@ class RuntimeOptions:
     quant: str | None = None
     max_seq_rows: int | None = None
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    max_draft_kv_rows: int | None = None
 
     def prefill_config(self) -> PrefillConfig:
         """The prefill settings fitted to the page size and max_input_len.
@@ -373,6 +379,27 @@ class LLM:
         """Free KV pages of the target pool and of the draft pool (0 without a draft)."""
         draft = self.draft.allocator.free_pages if self.draft is not None else 0
         return self.target.allocator.free_pages, draft
+
+    def kv_usage(self) -> dict[str, dict]:
+        """Each KV pool's pages: ``{"target": ..., "draft": ...}`` (draft only with one), each
+        ``{"pages", "free_pages", "page_size", "bytes_per_token"}``; ``bytes_per_token`` is
+        K + V of every layer for one row (None where the backend's pools are not host
+        tensors, e.g. TensorRT device buffers). For ``/metrics``."""
+        out = {}
+        for name, backend in (("target", self.target), ("draft", self.draft)):
+            if backend is None:
+                continue
+            alloc, pools = backend.allocator, getattr(backend, "pools", None)
+            per_token = (
+                sum(p[0, :, :, 0].numel() * p.element_size() for p in pools) if pools else None
+            )
+            out[name] = {
+                "pages": alloc.num_pages,
+                "free_pages": alloc.free_pages,
+                "page_size": alloc.page_size,
+                "bytes_per_token": per_token,
+            }
+        return out
 
     def first_step_pages(self, prompt_ids: list[int], images=None) -> tuple[int, int]:
         """KV pages (target, draft) the first step of a new request may take: its first
