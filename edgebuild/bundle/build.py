@@ -301,9 +301,6 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
             model, GraphKind.PORTABLE, b.page_size, 1, max(1, recipe.speculative.draft_top_k)
         )
     shared = _shared_bytes(pair) if pair is not None else 0
-    if shared:
-        log.info("the draft reads %.1f MB of the target's head / embedding from the base's "
-                 "shared.onnx.data: %.1f MB not copied into its graph", shared / 1e6, shared / 1e6)  # fmt: skip
     for source in (target, *((pair.draft, pair.target) if pair else ())):
         source.close()  # validation read quantized tensors through mmap: release the pages
     return BuildPlan(
@@ -340,6 +337,9 @@ def _shared_bytes(pair: PairedSources) -> int:
         for other in pair.target.names():  # the weight and its quantization side tensors
             if other == name or (other.startswith(prefix + ".") and is_quant_aux_tensor(other)):
                 total += pair.target.info(other).nbytes
+    if total:
+        log.info("the draft reads %.1f MB of the target's head / embedding from the base's "
+                 "shared.onnx.data instead of copying them", total / 1e6)  # fmt: skip
     return total
 
 
