@@ -421,22 +421,29 @@ class LLM:
         """
         target_alloc = self.target.allocator
         spec = self.speculative.num_speculative_tokens if self.speculative else 0
-        block = self.draft.block_size if self.draft is not None else 0
         if st.anchor is None and st.seq is None:  # preempted before its first token
             return self.first_step_pages(st.prompt_ids, st.prompt_images), 0
         if st.anchor is None:  # in prefill: its next chunk
             return self.decoder.prefill_step_pages(st), 0
         if st.seq is None:  # preempted: recompute prompt + output[:-1], then a step
             cached = len(st.prompt_ids) + len(st.output_ids) - 1
-            draft = self.draft.allocator.pages_for(cached + block) if self.draft else 0
+            draft = self._draft_pages(None, cached) if self.draft else 0
             return target_alloc.pages_for(cached + 1 + spec), draft
         t = target_alloc.pages_for(st.seq.length + 1 + spec) - len(st.seq.pages)
         if self.draft is None or st.draft_seq is None:
             return max(t, 0), 0
         pending = len(st.pending_features) if st.pending_features is not None else 0
-        d_alloc, dseq = self.draft.allocator, st.draft_seq
-        d = d_alloc.pages_for(dseq.length + pending + block) - len(dseq.pages)
-        return max(t, 0), max(d, 0)
+        return max(t, 0), self._draft_pages(st.draft_seq, pending)
+
+    def _draft_pages(self, dseq, rows: int) -> int:
+        """Draft pages a step adding ``rows`` context rows (and a block) may take: the
+        backend's own count (a windowed draft's ring, all at once), else one row per row."""
+        grow = getattr(self.draft, "pages_to_grow", None)
+        if grow is not None:
+            return grow(dseq, rows)
+        alloc, block = self.draft.allocator, self.draft.block_size
+        have, length = (len(dseq.pages), dseq.length) if dseq is not None else (0, 0)
+        return max(alloc.pages_for(length + rows + block) - have, 0)
 
     def preempt(self, st: RequestState) -> None:
         """Give back the request's KV pages and draft state, keeping its output and
