@@ -171,3 +171,63 @@ def test_greedy_dspark_with_a_windowed_draft_equals_target_only(target, tmp_path
     for st in got:  # everything accepted
         assert all(a == 1.0 for a in st.metrics.acceptance_by_position)
     assert draft.allocator.free_pages == draft.allocator.num_pages  # rings given back
+
+
+def test_the_exported_draft_graphs_carry_the_window(tmp_path):
+    """Portable graph in onnxruntime == the eager graph with the window at a context of 3W
+    (and != without it); the plugin graph's block nodes carry sliding_window = W. A bundle is
+    refused by name: no engine runtime keeps the ring yet."""
+    import onnx
+    from export_fixtures import draft_feeds, make_tiny_target, run_ort
+
+    from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
+    from edgebuild.checkpoint.pairing import PairedSources
+    from edgebuild.checkpoint.source import COMPONENT, TARGET
+    from edgebuild.export import ExportOptions, GraphKind, export_draft
+    from edgebuild.export.graphs import ROPE_BUFFER, DraftGraph
+    from edgebuild.ops.rope import rope_cos_sin_table
+
+    target = make_tiny_target(tmp_path / "t", "qwen3")
+    draft = windowed_draft(tmp_path / "d", target)
+    pair = PairedSources(WeightSource(draft, COMPONENT), WeightSource(target, TARGET))
+    tcfg = ModelConfig.from_file(target)
+    opts = ExportOptions(kind=GraphKind.PORTABLE, dtype="float32", top_k=5)
+    exported = export_draft(pair, tcfg, tmp_path / "out", opts)
+    feeds = draft_feeds(pair_draft(WeightSource(target), draft).config, context=3 * W, capacity=40)
+    got = run_ort(exported.onnx_path, feeds)
+
+    def eager(window: int):
+        head, embed = pair.lm_head(), pair.embed_tokens()
+        model = DSparkDraft.from_source(pair.draft, tcfg, head.value, embed.value, torch.float32)
+        for layer in model.layers:
+            layer.self_attn.block_spec = layer.self_attn.block_spec.replace(sliding_window=window)
+        graph = DraftGraph(model, GraphKind.PORTABLE, 32, tcfg.max_position_embeddings, 5)
+        rows = tcfg.max_position_embeddings
+        getattr(graph, ROPE_BUFFER).copy_(
+            rope_cos_sin_table(model.config.head_dim, rows, tcfg.rope)
+        )
+        with torch.no_grad():
+            out = graph(*[t.clone() for t in feeds.values()])
+        return dict(zip(graph.output_names(), out, strict=True))
+
+    ref, nowin = eager(W), eager(0)
+    torch.testing.assert_close(
+        torch.from_numpy(got["draft_scores"]), ref["draft_scores"], atol=1e-4, rtol=0
+    )
+    assert not torch.allclose(ref["draft_scores"], nowin["draft_scores"], atol=1e-3)
+    plugin = export_draft(pair, tcfg, tmp_path / "plugin", ExportOptions(dtype="float32", top_k=5))
+    model = onnx.load(str(plugin.onnx_path), load_external_data=False)
+    attrs = [
+        {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        for n in model.graph.node
+        if n.op_type == "EdgebuildAttention"
+    ]
+    assert sorted((a["write_kv"], a["sliding_window"]) for a in attrs) == [
+        (0, W),
+        (0, W),
+        (1, 0),
+        (1, 0),
+    ]
+    recipe = recipe_from_flags(target, draft, max_input_len=32, max_kv_cache_capacity=64)
+    with pytest.raises(ConfigError, match="sliding_window 8.*torch backend"):
+        build_bundle(recipe, tmp_path / "b", BuildOptions(onnx_only=True, progress=False))

@@ -290,6 +290,7 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         draft = pair_draft(target, recipe.resolve(recipe.draft), tcfg)
         pair, draft_cfg = draft.pair, draft.config
         del draft
+        _refuse_windowed(draft_cfg)
         model = meta_draft(draft_cfg, torch.float32)
         n = recipe.speculative.num_speculative_tokens
         if n > draft_cfg.block_size:
@@ -318,6 +319,21 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _refuse_windowed(draft_cfg) -> None:
+    """A sliding-window draft builds no bundle yet (its ring lives in the torch runtime).
+
+    Raises:
+        ConfigError: naming the field and what to run instead.
+    """
+    if draft_cfg.sliding_window:
+        raise ConfigError(
+            f"{draft_cfg.source}: a sliding-window draft (sliding_window "
+            f"{draft_cfg.sliding_window}) has no engine runtime yet: its graphs carry the "
+            "window but the TensorRT backend and buffer plan keep no ring; run the pair "
+            "with the torch backend (edgebuild run / edgellm-serve on the checkpoints)"
+        )
 
 
 def _shared_bytes(pair: PairedSources) -> int:

@@ -303,8 +303,11 @@ class DraftGraph(_RoleGraph):
 
     Raises:
         ConfigError: an ``rnn`` Markov head (its state depends on the path taken, so it has
-            no per-slot K x K lattice; the torch runtime runs it); a sliding-window draft
-            (its ring cache is not in the graphs yet).
+            no per-slot K x K lattice; the torch runtime runs it).
+
+    A sliding-window draft's block attention carries its window (the plugin's
+    ``sliding_window`` attribute, the portable mask): slot-based, so a runtime that keeps a
+    ring passes its rotated page table (:mod:`edgebuild.runtime.dspark_backend`).
     """
 
     role = "draft"
@@ -322,12 +325,6 @@ class DraftGraph(_RoleGraph):
             )
         if top_k < 1:
             raise ConfigError(f"draft top_k must be >= 1 for the exported lattice, got {top_k}")
-        if cfg.sliding_window:
-            raise ConfigError(
-                f"{cfg.source}: a sliding-window draft (sliding_window {cfg.sliding_window}) "
-                "has no exported graph or engine yet (its ring cache runs in the torch "
-                "runtime only); run it with the torch backend"
-            )
         self.config, self.kind, self.page_size = cfg, GraphKind(kind), page_size
         self.top_k = min(top_k, cfg.vocab_size)
         object.__setattr__(self, "_draft", model)  # methods only; children registered below
