@@ -371,6 +371,12 @@ def build(source, draft, revision, out, cache_dir, onnx_only, portable, builder,
         path, m = _build_into_cache(recipe, sources, options, cache_dir)
     click.echo(f"bundle {path}: roles {', '.join(m['roles'])} ({m['graph_kind']} graphs)")
     click.echo(f"engines: {m['engines']['status']}")
+    shared = (m.get("dspark") or {}).get("shared_bytes")
+    if shared:
+        click.echo(
+            f"draft: reads the target's head / embedding ({shared / 1e6:.1f} MB) from "
+            "base/shared.onnx.data, stored once"
+        )
 
 
 def _build_recipe(source: str, draft: str | None, revision: str | None, flags: dict):

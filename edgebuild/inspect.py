@@ -116,6 +116,8 @@ def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
             if cfg.markov_rank
             else "none",
             "confidence_head": cfg.enable_confidence_head,
+            # the draft's context cache, counted with the target's pages (bf16 values)
+            "kv_cache_bf16": cfg.kv_budget(2),
         },
         "borrowed": {
             "lm_head": f"{head.name} from {head.checkpoint_source} ({head.format}, {head.file})",

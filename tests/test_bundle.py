@@ -103,6 +103,42 @@ def test_the_manifest_records_sources_roles_plugin_tokenizer_and_dspark_fields(p
     assert m["engines"]["status"] == "not built: --onnx-only"
 
 
+def test_the_draft_graph_reads_the_targets_embedding_and_head_from_one_shared_file(pair, bundle):
+    """Issue 27: the borrowed tensors are stored once, in base/shared.onnx.data, which both
+    graphs name at the same offsets; the draft's own data file holds no copy of them."""
+    import onnx
+
+    target, _ = pair
+    m = json.loads((bundle / "manifest.json").read_text())
+    base, dr = m["roles"]["base"], m["roles"]["draft"]
+    assert base["onnx_shared_data"] == dr["onnx_shared_data"] == "base/shared.onnx.data"
+    assert dr["onnx"] == "base/draft.onnx" and dr["config"] == "draft/config.json"
+    assert sorted(dr["shared_initializers"]) == ["embed_tokens.weight", "lm_head.weight"]
+    assert sorted(base["shared_initializers"]) == ["lm_head.weight", "model.embed_tokens.weight"]
+
+    def external(path):
+        model = onnx.load(str(bundle / path), load_external_data=False)
+        return {i.name: {e.key: e.value for e in i.external_data} for i in model.graph.initializer}
+
+    b, d = external(base["onnx"]), external(dr["onnx"])
+    for draft_name, base_name in (
+        ("embed_tokens.weight", "model.embed_tokens.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+    ):
+        assert d[draft_name] == b[base_name]  # same file, offset, length
+        assert d[draft_name]["location"] == "shared.onnx.data"
+    tcfg = json.loads((target / "config.json").read_text())
+    vocab_hidden = tcfg["vocab_size"] * tcfg["hidden_size"] * 2  # build.precision bf16
+    shared = m["files"]["base/shared.onnx.data"]["size"]
+    assert 2 * vocab_hidden <= shared < 2 * vocab_hidden + 8192
+    # the plan states the bytes not copied: head + embedding as stored (fp32 checkpoint)
+    assert m["dspark"]["shared_bytes"] == 2 * 2 * vocab_hidden
+    own = {n: int(e["length"]) for n, e in d.items() if e.get("location") == "draft.onnx.data"}
+    data = m["files"]["base/draft.onnx.data"]["size"]
+    assert sum(own.values()) <= data <= sum(own.values()) + 4096 * len(own)  # no other bytes
+    assert vocab_hidden not in own.values()  # no copy of the embedding / head
+
+
 def test_verify_accepts_the_fresh_bundle(bundle):
     result = CliRunner().invoke(main, ["verify", str(bundle)])
     assert result.exit_code == 0, result.output
@@ -121,8 +157,11 @@ def _corrupt(kind: str, root: Path, pair: tuple[Path, Path]) -> str:
         _flip_byte(root / "base" / "model.onnx.data")
         return r"base/model\.onnx\.data: sha256 .* changed after the build"
     if kind == "missing-file":
-        (root / "draft" / "model.onnx").unlink()
-        return r"draft/model\.onnx: missing from the bundle"
+        (root / "base" / "draft.onnx").unlink()
+        return r"base/draft\.onnx: missing from the bundle"
+    if kind == "changed-shared-byte":  # the target tensors both graphs read
+        _flip_byte(root / "base" / "shared.onnx.data")
+        return r"base/shared\.onnx\.data: sha256 .* changed after the build"
     if kind == "unlisted-file":  # e.g. an engine copied in from another build
         (root / "base" / "model.engine").write_bytes(b"not from this build")
         return r"base/model\.engine: not listed in manifest\.json"
@@ -141,7 +180,15 @@ def _corrupt(kind: str, root: Path, pair: tuple[Path, Path]) -> str:
 
 
 @pytest.mark.parametrize(
-    "kind", ["changed-byte", "missing-file", "unlisted-file", "format-version", "source-changed"]
+    "kind",
+    [
+        "changed-byte",
+        "changed-shared-byte",
+        "missing-file",
+        "unlisted-file",
+        "format-version",
+        "source-changed",
+    ],
 )
 def test_corrupt_bundles_are_refused_by_verify_and_by_the_runtime(kind, bundle, pair, tmp_path):
     copy = tmp_path / "bundle"

@@ -223,7 +223,15 @@ UNIMPLEMENTED = {
         ["'dflash_config.sample_from_anchor' = False disagrees with 'sample_from_anchor' = True"],
     ),
     "causal": (_set(dflash_causal=True), ["'dflash_config.causal' = True"]),
-    "use-swa": (_set(use_swa=True, swa_window_size=8), ["'use_swa' = True"]),
+    "use-swa-without-size": (_set(use_swa=True), ["'use_swa' = true", "'swa_window_size'"]),
+    "sliding-layers-mixed": (
+        _set(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+            num_hidden_layers=2,
+        ),
+        ["layer_types", "mix sliding and full attention"],
+    ),
     "sliding-window": (
         _set(use_sliding_window=True, sliding_window=8),
         ["'use_sliding_window' = true", "'sliding_window' = 8", "full attention"],

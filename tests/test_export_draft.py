@@ -164,3 +164,51 @@ def test_a_tied_targets_embedding_is_stored_once_in_the_draft_graph(tmp_path):
         ref = graph(*[t.clone() for t in feeds.values()])
     for name, value in zip(graph.output_names(), ref, strict=True):
         torch.testing.assert_close(torch.from_numpy(got[name]), value, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_draft_exported_after_its_base_reads_the_shared_tensors_and_computes_the_same(
+    tied, tmp_path
+):
+    """Issue 27: with :class:`SharedWeights` the base graph writes the borrowed head and
+    embedding into ``shared.onnx.data``; the draft graph is saved next to it, names the same
+    offsets, holds no copy, and onnxruntime computes what the eager draft computes."""
+    from edgebuild.export import SharedWeights, export_base
+
+    target = make_tiny_target(tmp_path / "t", "qwen3", tied=tied)
+    draft = make_random_draft(tmp_path / "draft", target, num_layers=1, block_size=4)
+    pair = _pair(draft, target)
+    tcfg = ModelConfig.from_file(target)
+    options = ExportOptions(kind=GraphKind.PORTABLE, dtype="float32", top_k=TOP_K)
+    shared = SharedWeights.for_pair(pair)
+    base = export_base(pair.target, tmp_path / "b", options, (0,), shared=shared)
+    exported = export_draft(pair, tcfg, tmp_path / "d", options, shared=shared)
+    assert exported.onnx_path == tmp_path / "b" / "draft.onnx"
+    assert base.shared_path == exported.shared_path == tmp_path / "b" / "shared.onnx.data"
+    vd = tcfg.vocab_size * tcfg.hidden_size * 4
+    assert base.shared_path.stat().st_size in range((1 if tied else 2) * vd, 2 * vd + 8192)
+    model = onnx.load(str(exported.onnx_path), load_external_data=False)
+    where = {
+        i.name: {e.key: e.value for e in i.external_data}.get("location")
+        for i in model.graph.initializer
+    }
+    heads = ["embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    assert sorted(exported.weights.shared) == sorted(heads)
+    assert all(where[n] == "shared.onnx.data" for n in heads)
+    own = [n for n, loc in where.items() if loc == "draft.onnx.data"]
+    dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    assert [tcfg.vocab_size, tcfg.hidden_size] not in [dims[n] for n in own]
+    graph = _eager_graph(pair, target)
+    feeds = draft_feeds(graph.config)
+    got = run_ort(exported.onnx_path, feeds)
+    with torch.no_grad():
+        ref = graph(*[t.clone() for t in feeds.values()])
+    for name, value in zip(graph.output_names(), ref, strict=True):
+        torch.testing.assert_close(torch.from_numpy(got[name]), value, atol=1e-4, rtol=0)
+    # the base graph still reads its own embedding from the shared file
+    base_model = onnx.load(str(base.onnx_path), load_external_data=False)
+    base_where = {
+        i.name: {e.key: e.value for e in i.external_data}.get("location")
+        for i in base_model.graph.initializer
+    }
+    assert base_where["model.embed_tokens.weight"] == "shared.onnx.data"

@@ -169,3 +169,40 @@ def test_fp8_weights_become_dequantize_linear_equal_to_the_checkpoint(block, tmp
     for name, value in values.items():
         expected = source.linear(name.rpartition(".")[0]).dequantize(torch.float32)
         np.testing.assert_array_equal(value, expected.numpy(), err_msg=name)
+
+
+def test_a_shared_nvfp4_head_stays_nvfp4_in_the_draft_graph_with_the_bases_bytes(nvfp4, tmp_path):
+    """Issue 27: the draft borrows the target's NVFP4 ``lm_head``; with shared weights its
+    graph names the base's FP4 codes and scales (same offsets of ``shared.onnx.data``), and
+    the dequantized head equals the checkpoint's dequantization."""
+    from dspark_fixtures import make_random_draft
+
+    from edgebuild.checkpoint.config import ModelConfig
+    from edgebuild.checkpoint.pairing import PairedSources
+    from edgebuild.checkpoint.source import COMPONENT, TARGET
+    from edgebuild.export import SharedWeights, export_draft
+
+    draft = make_random_draft(tmp_path / "draft", nvfp4, num_layers=1, block_size=4)
+    pair = PairedSources(WeightSource(draft, COMPONENT), WeightSource(nvfp4, TARGET))
+    options = ExportOptions(kind=GraphKind.PLUGIN, dtype="float32", page_size=8)
+    shared = SharedWeights.for_pair(pair)
+    base = export_base(pair.target, tmp_path / "b", options, (0,), shared=shared)
+    exported = export_draft(
+        pair, ModelConfig.from_file(nvfp4), tmp_path / "d", options, shared=shared
+    )
+
+    def externals(path):
+        model = onnx.load(str(path), load_external_data=False)
+        return {
+            i.name: (i.data_type, {e.key: e.value for e in i.external_data})
+            for i in model.graph.initializer
+        }
+
+    b, d = externals(base.onnx_path), externals(exported.onnx_path)
+    for name in ("lm_head.weight", "lm_head.weight_scale", "lm_head.weight_scale_2"):
+        assert d[name] == b[name] and d[name][1]["location"] == "shared.onnx.data"
+    assert d["lm_head.weight"][0] == onnx.TensorProto.FLOAT4E2M1
+    assert exported.weights.quantized["lm_head.weight"] == "NVFP4"
+    head = _chain_values(exported.onnx_path)["lm_head.weight"]
+    want = WeightSource(nvfp4).linear("lm_head").dequantize(torch.float32)
+    np.testing.assert_array_equal(head, want.numpy())

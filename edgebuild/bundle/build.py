@@ -133,6 +133,7 @@ class BuildPlan:
     formats: tuple[str, ...]
     vision: VisionConfig | None = None
     hub: dict[str, dict] | None = None  # role -> the manifest's sources.<role>.hub entry
+    shared_bytes: int = 0  # checkpoint bytes of the target tensors the draft borrows (stored once)
 
 
 def _formats(source: WeightSource) -> set[QuantAlgo]:
@@ -289,6 +290,7 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         draft = pair_draft(target, recipe.resolve(recipe.draft), tcfg)
         pair, draft_cfg = draft.pair, draft.config
         del draft
+        _refuse_windowed(draft_cfg)
         model = meta_draft(draft_cfg, torch.float32)
         n = recipe.speculative.num_speculative_tokens
         if n > draft_cfg.block_size:
@@ -299,6 +301,7 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         DraftGraph(
             model, GraphKind.PORTABLE, b.page_size, 1, max(1, recipe.speculative.draft_top_k)
         )
+    shared = _shared_bytes(pair) if pair is not None else 0
     for source in (target, *((pair.draft, pair.target) if pair else ())):
         source.close()  # validation read quantized tensors through mmap: release the pages
     return BuildPlan(
@@ -311,7 +314,49 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         dtype,
         tuple(sorted(f.value for f in formats)),
         vision,
+        shared_bytes=shared,
     )
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _refuse_windowed(draft_cfg) -> None:
+    """A sliding-window draft builds no bundle yet (its ring lives in the torch runtime).
+
+    Raises:
+        ConfigError: naming the field and what to run instead.
+    """
+    if draft_cfg.sliding_window:
+        raise ConfigError(
+            f"{draft_cfg.source}: a sliding-window draft (sliding_window "
+            f"{draft_cfg.sliding_window}) has no engine runtime yet: its graphs carry the "
+            "window but the TensorRT backend and buffer plan keep no ring; run the pair "
+            "with the torch backend (edgebuild run / edgellm-serve on the checkpoints)"
+        )
+
+
+def _shared_bytes(pair: PairedSources) -> int:
+    """Stored bytes of the target tensors the draft borrows (head, embedding; an NVFP4 head
+    with its scales), counted once when head and embedding are one tied tensor: what the
+    draft graph does not copy (:class:`~edgebuild.export.weights.SharedWeights`)."""
+    from edgebuild.checkpoint.quant import is_quant_aux_tensor
+
+    names = {
+        f.name
+        for f in (pair.lm_head(), pair.embed_tokens())
+        if f.checkpoint_source == pair.target.checkpoint_source
+    }
+    total = 0
+    for name in names:
+        prefix = name.rpartition(".")[0]
+        for other in pair.target.names():  # the weight and its quantization side tensors
+            if other == name or (other.startswith(prefix + ".") and is_quant_aux_tensor(other)):
+                total += pair.target.info(other).nbytes
+    if total:
+        log.info("the draft reads %.1f MB of the target's head / embedding from the base's "
+                 "shared.onnx.data instead of copying them", total / 1e6)  # fmt: skip
+    return total
 
 
 def _plan_visual(recipe: Recipe, target: WeightSource, tcfg: ModelConfig) -> VisionConfig | None:
@@ -452,10 +497,16 @@ def draft_role(recipe: Recipe) -> str:
 
 
 def _role_entry(exported, role: str) -> dict:
-    """The manifest's ``roles.<role>``: files, graph kind, dtype, I/O and weight provenance."""
+    """The manifest's ``roles.<role>``: files, graph kind, dtype, I/O and weight provenance.
+
+    A draft graph that reads the target's shared tensors lives in the base's folder
+    (``base/draft.onnx``, :class:`~edgebuild.export.weights.SharedWeights`); its config and
+    engine stay in ``<role>/``.
+    """
+    folder = exported.onnx_path.parent.name  # the role's folder, or base/ for a shared draft
     return {
-        "onnx": f"{role}/{exported.onnx_path.name}",
-        "onnx_data": f"{role}/{exported.data_path.name}",
+        "onnx": f"{folder}/{exported.onnx_path.name}",
+        "onnx_data": f"{folder}/{exported.data_path.name}",
         "config": f"{role}/config.json",
         "engine": None,
         "graph_kind": exported.kind.value,
@@ -463,11 +514,23 @@ def _role_entry(exported, role: str) -> dict:
         **exported.io_json(),
         "quantized": dict(sorted(exported.weights.quantized.items())),
         "weight_sources": dict(sorted(exported.weights.borrowed.items())),
+        # the target tensors a draft borrows, stored once (export.weights.SharedWeights)
+        "onnx_shared_data": f"{folder}/{exported.shared_path.name}"
+        if exported.shared_path
+        else None,
+        "shared_initializers": sorted(exported.weights.shared),
     }
 
 
 def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progress) -> dict:
-    from edgebuild.export import ExportOptions, GraphKind, WeightMode, export_base, export_draft
+    from edgebuild.export import (
+        ExportOptions,
+        GraphKind,
+        SharedWeights,
+        WeightMode,
+        export_base,
+        export_draft,
+    )
 
     recipe, b = plan.recipe, plan.recipe.build
     top_k = recipe.speculative.draft_top_k if recipe.speculative else 16
@@ -482,8 +545,9 @@ def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progre
     )
     taps = tuple(plan.draft_config.target_layer_ids) if plan.draft_config is not None else ()
     roles = {}
+    shared = SharedWeights.for_pair(plan.pair) if plan.pair is not None else None
     progress.stage("export base", plan.target.total_bytes())
-    base = export_base(plan.target, tmp / "base", opts, taps, progress.advance)
+    base = export_base(plan.target, tmp / "base", opts, taps, progress.advance, shared)
     progress.done()
     shutil.copyfile(plan.target.config_path, tmp / "base" / "config.json")
     roles["base"] = _role_entry(base, "base")
@@ -493,7 +557,7 @@ def _export(plan: BuildPlan, options: BuildOptions, tmp: Path, progress: _Progre
         progress.stage(f"export {role}", plan.pair.draft.total_bytes())
         draft = export_draft(
             plan.pair, plan.target_config, tmp / role, opts, progress.advance,
-            config=plan.draft_config,  # validated in stage 1
+            config=plan.draft_config, shared=shared,  # validated in stage 1
         )  # fmt: skip
         progress.done()
         shutil.copyfile(plan.pair.draft.config_path, tmp / role / "config.json")
@@ -595,6 +659,9 @@ def _manifest(plan: BuildPlan, options: BuildOptions, tmp: Path, exported: dict,
         dspark["lm_head_source"] = plan.pair.lm_head().checkpoint_source
         dspark["embed_tokens_source"] = plan.pair.embed_tokens().checkpoint_source
         dspark["top_k"] = exported["roles"][draft_role(recipe)]["top_k"]
+        dspark["shared_bytes"] = plan.shared_bytes  # checkpoint bytes not copied into the draft
+        dtype = exported["roles"][draft_role(recipe)]["dtype"]  # the draft cache's dtype
+        dspark["kv_cache"] = plan.draft_config.kv_budget(_DTYPE_BYTES.get(dtype, 2))
     for role, entry in sources.items():
         entry["quant"] = sorted(
             f.value for f in _formats(plan.target if role == "target" else plan.pair.draft)

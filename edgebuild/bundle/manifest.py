@@ -5,7 +5,10 @@ A bundle is a directory::
     BUNDLE/
       manifest.json              written last; its presence marks a complete bundle
       base/model.onnx            target graph (+ model.onnx.data, config.json, model.engine)
-      draft/model.onnx           DSpark draft graph (when the build had a draft)
+      base/shared.onnx.data      the target tensors the draft borrows (embedding, lm_head),
+                                 stored once: base/model.onnx and base/draft.onnx both read it
+      base/draft.onnx            DSpark draft graph (+ draft.onnx.data; draft/ holds its
+                                 config.json and model.engine)
       visual/model.onnx          vision tower graph (when the target is a VLM; + model.onnx.data,
                                  config.json, preprocessor_config.json, model.engine)
       tokenizer.json ...         the target's tokenizer files and chat template
@@ -149,7 +152,8 @@ def _check_files(bundle: Path, manifest: dict) -> list[str]:
                 f"{str(record.get('sha256'))[:16]}...: the file changed after the build"
             )
     for role, entry in sorted((manifest.get("roles") or {}).items()):
-        for key in ("onnx", "onnx_data", "config", "preprocessor_config", "engine"):
+        keys = ("onnx", "onnx_data", "onnx_shared_data", "config", "preprocessor_config", "engine")
+        for key in keys:
             rel = entry.get(key)
             if rel and rel not in files:
                 problems.append(f"roles.{role}.{key} = {rel!r} is not in the manifest's files")

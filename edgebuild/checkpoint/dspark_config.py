@@ -232,7 +232,6 @@ _IMPLEMENTED_FLAGS: dict[str, Any] = {
     "query_zero_predicts_next": True,
     "causal": False,
     "is_causal": False,
-    "use_swa": False,
     "is_neox_style": True,
 }
 _SECTION_KEYS = (
@@ -240,6 +239,7 @@ _SECTION_KEYS = (
     | _INERT_KEYS
     | set(_IMPLEMENTED_FLAGS)
     | {"draft_vocab_size", "base_model_hidden_size", "swa_window_size", "attention_sink_bias"}
+    | {"use_swa"}
 )
 
 
@@ -252,8 +252,7 @@ def _check_layout(cfg: Mapping, source: str, num_layers: int, vocab_size: int) -
       one (so contradictory combinations are refused too);
     * ``draft_vocab_size`` != ``vocab_size`` (a reduced draft vocabulary needs a ``d2t`` map,
       which is not implemented), ``attention_sink_bias``;
-    * Qwen3's ``use_sliding_window: true`` with a ``sliding_window`` and no ``layer_types``,
-      unless ``max_window_layers`` >= the layer count (HF: those layers are full attention).
+    (sliding windows are read by :func:`sliding_window_of`).
 
     Raises:
         ConfigError: naming the file, the field and the fix.
@@ -286,16 +285,72 @@ def _check_layout(cfg: Mapping, source: str, num_layers: int, vocab_size: int) -
     sink, where = read_dspark_field(cfg, "attention_sink_bias", object, source, None)
     if sink not in (None, False):
         raise ConfigError(f"{source}: field '{where}' (attention sinks) is not implemented")
+
+
+def sliding_window_of(cfg: Mapping, source: str, num_layers: int) -> int | None:
+    """The draft's attention window W, or None for full attention (module docstring).
+
+    Read from, in this order (the DeepSpec and the SpecForge / HF spellings):
+
+    * ``use_swa: true`` with ``swa_window_size`` (``dflash_config`` / ``dspark_config`` or top
+      level);
+    * ``layer_types`` listing ``sliding_attention`` for every layer, with ``sliding_window``;
+    * Qwen3's ``use_sliding_window: true`` with ``sliding_window`` and no ``layer_types``:
+      HF makes layer i sliding iff i >= ``max_window_layers``; all layers must agree.
+
+    Raises:
+        ConfigError: naming the field: a window that is not a positive int, a window flag
+            without its size, or a mix of sliding and full-attention layers (one cache kind
+            per draft).
+    """
+    use_swa, where = read_dspark_field(cfg, "use_swa", bool, source, False)
+    if use_swa:
+        size, size_where = read_dspark_field(cfg, "swa_window_size", int, source, None)
+        size_where = "swa_window_size" if size_where == _DEFAULT else size_where
+        return _positive_window(size, size_where, source, f"'{where}' = true")
+    types = list(cfg.get("layer_types") or [])[:num_layers]
     window = cfg.get("sliding_window")
-    if cfg.get("use_sliding_window") is True and window is not None and not cfg.get("layer_types"):
-        full_layers = cfg.get("max_window_layers")
-        if not (isinstance(full_layers, int) and full_layers >= num_layers):
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+        if not any(sliding):
+            return None
+        if not all(sliding):
             raise ConfigError(
-                f"{source}: fields 'use_sliding_window' = true and 'sliding_window' = {window!r} "
-                f"ask for sliding-window attention (max_window_layers {full_layers!r}, "
-                f"{num_layers} layers); DSpark drafts use full attention in every layer. Set "
-                "'use_sliding_window' to false"
+                f"{source}: layer_types {types} mix sliding and full attention; edgebuild runs "
+                "drafts whose layers all use one kind (a ring cache for sliding, pages for "
+                "full attention)"
             )
+        return _positive_window(window, "sliding_window", source, "layer_types sliding_attention")
+    if cfg.get("use_sliding_window") is not True or window is None:
+        return None
+    full_layers = cfg.get("max_window_layers")
+    if full_layers is None:
+        raise ConfigError(
+            f"{source}: fields 'use_sliding_window' = true and 'sliding_window' = {window!r} "
+            "without 'max_window_layers' (HF's default, 28, makes the layers below it full "
+            f"attention); set max_window_layers to 0 (all {num_layers} layers sliding) or to "
+            f"{num_layers} (all full attention)"
+        )
+    if not isinstance(full_layers, int) or full_layers >= num_layers:
+        return None  # HF: layers below max_window_layers use full attention
+    if full_layers > 0:
+        raise ConfigError(
+            f"{source}: fields 'use_sliding_window' = true, 'sliding_window' = {window!r} and "
+            f"'max_window_layers' = {full_layers} make layers 0..{full_layers - 1} full "
+            f"attention and the rest sliding ({num_layers} layers); edgebuild runs drafts whose "
+            "layers all use one kind: set max_window_layers to 0 (all sliding) or to "
+            f"{num_layers} (all full)"
+        )
+    return _positive_window(window, "sliding_window", source, "'use_sliding_window' = true")
+
+
+def _positive_window(size, where: str, source: str, why: str) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(
+            f"{source}: {why} asks for sliding-window attention but field '{where}' is "
+            f"{size!r}; give the window in tokens (a positive int)"
+        )
+    return size
 
 
 def _packaging(draft_cfg: Mapping[str, Any], source: str) -> DSparkPackaging:
@@ -340,6 +395,9 @@ class DSparkConfig:
         rope: RoPE of the draft (see :func:`_draft_rope`); rotary dim = head_dim.
         attention_mode: SpecForge "gqa" / "mha" or None.
         layer_types: per-layer attention types when the config lists them.
+        sliding_window: W, the draft's attention window (:func:`sliding_window_of`), or None
+            (full attention). A block row at position p sees context positions > p - W: the
+            context cache is a fixed ring of pages per request.
         fields_from: where each DSpark field was read ("dflash_config.mask_token_id", ...,
             or "default"), used in messages.
     """
@@ -365,6 +423,7 @@ class DSparkConfig:
     rope: RopeScaling
     attention_mode: str | None = None
     layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
     source: str = "config.json"
     fields_from: dict = field(default_factory=dict, repr=False, compare=False)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
@@ -389,6 +448,37 @@ class DSparkConfig:
     def confidence_in_features(self) -> int:
         """Width of the confidence head's input: d (+ r with the Markov input)."""
         return self.hidden_size + (self.markov_rank if self.confidence_head_with_markov else 0)
+
+    def kv_bytes_per_row(self, dtype_bytes: int) -> int:
+        """K + V bytes of one context row over all draft layers (``dtype_bytes`` per value)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    def ring_rows(self, page_size: int) -> int:
+        """Rows of a windowed draft's per-request ring: whole pages holding the window, the
+        block and one page of slack (``ceil((W + block_size) / page_size) + 1`` pages)."""
+        if not self.sliding_window:
+            raise ValueError("ring_rows of a full-attention draft")
+        return (-(-(self.sliding_window + self.block_size) // page_size) + 1) * page_size
+
+    def kv_budget(self, dtype_bytes: int, page_size: int = 32) -> dict:
+        """What the draft's context cache costs: a full-attention draft holds one row per
+        target position (``bytes_per_token``; its pages are counted beside the target's); a
+        windowed one a fixed ring per request (``bytes_per_request``, constant in the context).
+
+        Returns:
+            ``{"attention": "full", "bytes_per_token": int}`` or ``{"attention": "sliding",
+            "sliding_window": W, "ring_rows": rows, "bytes_per_request": int}``.
+        """
+        per_row = self.kv_bytes_per_row(dtype_bytes)
+        if not self.sliding_window:
+            return {"attention": "full", "bytes_per_token": per_row}
+        rows = self.ring_rows(page_size)
+        return {
+            "attention": "sliding",
+            "sliding_window": self.sliding_window,
+            "ring_rows": rows,
+            "bytes_per_request": rows * per_row,
+        }
 
     def where(self, name: str) -> str:
         """The config field path of DSpark field ``name`` (for messages)."""
@@ -459,6 +549,7 @@ class DSparkConfig:
             rope=_draft_rope(draft_cfg, target, source),
             attention_mode=dspark("attention_mode", str, None),
             layer_types=tuple(layer_types),
+            sliding_window=sliding_window_of(draft_cfg, source, layers),
             source=source,
             fields_from=fields_from,
             raw=dict(draft_cfg),
@@ -586,7 +677,8 @@ class DSparkConfig:
                 f"{hq} query / {hkv} KV heads ('gqa' needs fewer KV heads, 'mha' equal; "
                 "spec section 6.12)"
             )
-        bad = [t for t in self.layer_types[: self.num_hidden_layers] if t != "full_attention"]
+        kinds = ("sliding_attention",) if self.sliding_window else ("full_attention",)
+        bad = [t for t in self.layer_types[: self.num_hidden_layers] if t not in kinds]
         if bad:
             raise ConfigError(
                 f"{s}: layer_types {list(self.layer_types[: self.num_hidden_layers])} contain "

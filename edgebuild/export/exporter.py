@@ -41,7 +41,9 @@ from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import ConfigError
 from edgebuild.export.graphs import BaseGraph, DraftGraph, GraphKind, TensorSpec
 from edgebuild.export.weights import (
+    SHARED_NAME,
     ExternalDataWriter,
+    SharedWeights,
     WeightMode,
     WeightReport,
     base_entries,
@@ -115,6 +117,8 @@ class ExportedGraph:
         dtype: the graph's activation dtype name.
         weights: per-initializer origin and quantized formats.
         metadata: the ``edgebuild.*`` metadata written into the model.
+        shared_path: the shared external data file this graph also reads
+            (:class:`~edgebuild.export.weights.SharedWeights`), or None.
     """
 
     role: str
@@ -126,6 +130,7 @@ class ExportedGraph:
     dtype: str
     weights: WeightReport
     metadata: dict[str, str] = field(default_factory=dict)
+    shared_path: Path | None = None
 
     def io_json(self) -> dict:
         return {
@@ -253,6 +258,7 @@ def export_graph(
     weights: WeightMode,
     on_tensor: Callable[[str, int], None] | None = None,
     aliases: dict[str, str] | None = None,
+    shared: SharedWeights | None = None,
 ) -> ExportedGraph:
     """Export one role graph into ``out_dir`` (``model.onnx`` + ``model.onnx.data``).
 
@@ -263,6 +269,12 @@ def export_graph(
 
     ``aliases`` maps an initializer to the one it shares storage with (a tied head:
     ``lm_head.weight`` -> ``model.embed_tokens.weight``): the graph then holds one copy.
+
+    ``shared``: the target tensors a draft borrows. The ``base`` graph writes them into
+    ``out_dir/shared.onnx.data``; another role's graph is then saved next to it, as
+    ``<role>.onnx`` + ``<role>.onnx.data`` in the base's folder, and points at the same
+    offsets (ONNX readers refuse external data outside a graph's folder, symbolic links and
+    hard links); ``out_dir`` keeps the role's other files (config, engine).
 
     Raises:
         CheckpointError: a weight the graph needs is missing or mis-shaped.
@@ -275,11 +287,20 @@ def export_graph(
     model = _trace(graph)
     _clean(model)
     _merge_aliases(model, aliases or {})
-    writer = ExternalDataWriter(out_dir, DATA_NAME)
+    onnx_name, data_name = ONNX_NAME, DATA_NAME
+    if shared is not None and graph.role == "base":
+        shared.base_dir = out_dir
+    elif shared is not None and shared.tensors:  # next to the shared file (docstring)
+        out_dir = shared.base_dir
+        onnx_name, data_name = f"{graph.role}.onnx", f"{graph.role}.onnx.data"
+    writer = ExternalDataWriter(out_dir, data_name)
     try:
-        report = materialize(model, entries, writer, weights, sources, on_tensor)
+        report = materialize(model, entries, writer, weights, sources, on_tensor, shared)
     finally:
         writer.close()
+        if shared is not None and graph.role == "base":
+            shared.close()
+    shared_path = out_dir / SHARED_NAME if report.shared else None
     meta = {
         **metadata,
         "edgebuild.role": graph.role,
@@ -290,20 +311,21 @@ def export_graph(
     }
     model.metadata_props.clear()
     model.metadata_props.update(dict(sorted(meta.items())))
-    onnx_path = out_dir / ONNX_NAME
+    onnx_path = out_dir / onnx_name
     _save(model, onnx_path)
     onnx.checker.check_model(str(onnx_path), full_check=True)
     inputs, outputs = graph.io()
     return ExportedGraph(
         graph.role,
         onnx_path,
-        out_dir / DATA_NAME,
+        out_dir / data_name,
         inputs,
         outputs,
         graph.kind,
         str(graph.dtype).split(".")[-1],
         report,
         meta,
+        shared_path,
     )
 
 
@@ -327,6 +349,7 @@ def export_base(
     options: ExportOptions,
     tap_layers: tuple[int, ...] = (),
     on_tensor: Callable[[str, int], None] | None = None,
+    shared: SharedWeights | None = None,
 ) -> ExportedGraph:
     """Export the target checkpoint ``source`` as the ``base`` graph.
 
@@ -340,6 +363,8 @@ def export_base(
         options: graph kind, weight mode, dtype, page size, RoPE rows.
         tap_layers: the draft's ``target_layer_ids`` (adds ``target_hidden_states``).
         on_tensor: progress callback per weight written.
+        shared: the tensors a draft will borrow (:meth:`SharedWeights.for_pair`): written into
+            ``shared.onnx.data`` for the draft graph to point at.
 
     Raises:
         CheckpointError / ConfigError: a checkpoint that does not fit its config.
@@ -364,7 +389,7 @@ def export_base(
         meta["edgebuild.multimodal"] = "true"
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
     return export_graph(
-        graph, entries, out_dir, [source], meta, options.weights, on_tensor, aliases
+        graph, entries, out_dir, [source], meta, options.weights, on_tensor, aliases, shared
     )
 
 
@@ -386,6 +411,7 @@ def export_draft(
     on_tensor: Callable[[str, int], None] | None = None,
     *,
     config: DSparkConfig | None = None,
+    shared: SharedWeights | None = None,
 ) -> ExportedGraph:
     """Export the DSpark draft of ``pair`` as the ``draft`` graph.
 
@@ -394,7 +420,9 @@ def export_draft(
     resolve to the same tensor (a tied target), the graph holds it once, as
     ``embed_tokens.weight``. ``config``: the draft's config when the pair was already
     validated by :func:`~edgebuild.checkpoint.draft.pair_draft` (``edgebuild build``);
-    without it, the pair is validated here.
+    without it, the pair is validated here. ``shared``: what :func:`export_base` wrote for
+    this pair; the borrowed tensors are then not copied but read from ``shared.onnx.data``,
+    a hard link of the base's file (NVFP4 stays NVFP4: the same codes and scales).
 
     Raises:
         ConfigError / PairingError / CheckpointError: from ``pair_draft`` (pairing, taps, mask
@@ -427,7 +455,9 @@ def export_draft(
         embed.name,
     )
     aliases = {"lm_head.weight": "embed_tokens.weight"} if same else {}
-    return export_graph(graph, entries, out_dir, sources, meta, options.weights, on_tensor, aliases)
+    return export_graph(
+        graph, entries, out_dir, sources, meta, options.weights, on_tensor, aliases, shared
+    )
 
 
 def dspark_fields(cfg) -> dict:

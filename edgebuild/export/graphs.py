@@ -304,6 +304,10 @@ class DraftGraph(_RoleGraph):
     Raises:
         ConfigError: an ``rnn`` Markov head (its state depends on the path taken, so it has
             no per-slot K x K lattice; the torch runtime runs it).
+
+    A sliding-window draft's block attention carries its window (the plugin's
+    ``sliding_window`` attribute, the portable mask): slot-based, so a runtime that keeps a
+    ring passes its rotated page table (:mod:`edgebuild.runtime.dspark_backend`).
     """
 
     role = "draft"

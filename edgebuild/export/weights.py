@@ -22,6 +22,13 @@ of two :class:`WeightMode` s:
   then a ``Cast`` to the graph dtype when it is not fp32. TensorRT (and TensorRT-RTX) parse
   these into dequantize layers; onnxruntime's CPU provider has no FLOAT4E2M1 kernels.
 * ``dense``: dequantized to the graph dtype on the fly (onnxruntime-runnable graphs).
+
+**Shared weights** (:class:`SharedWeights`): a DSpark draft borrows the target's embedding and
+``lm_head``. The base export writes those tensors (as stored: NVFP4 stays NVFP4) into a second
+file next to its graph, :data:`SHARED_NAME`, and records where; the draft graph is saved in the
+same folder and its borrowed initializers point at the same offsets. ONNX readers (onnx,
+onnxruntime, TensorRT's parser) refuse external data outside a graph's folder, and onnx also
+refuses symbolic and hard links, so one folder is how two graphs name one file.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
 
 log = logging.getLogger("edgebuild.export")
 
+SHARED_NAME = "shared.onnx.data"  # the target tensors a draft graph borrows (module docstring)
 RELEASE_BYTES = 64 << 20  # drop checkpoint memory maps after this many bytes read
 _ALIGN_SMALL, _ALIGN_LARGE, _LARGE = 64, 4096, 1 << 16
 
@@ -212,6 +220,114 @@ class ExternalDataWriter:
         self._file.close()
 
 
+class _RecordingWriter:
+    """Writes into the shared file and records each tensor under its checkpoint tensor."""
+
+    def __init__(self, shared: SharedWeights, key: tuple[str, str]):
+        self.shared, self.key = shared, key
+
+    def add(self, name: str, data: torch.Tensor, dtype: ir.DataType, shape: tuple[int, ...]):
+        tensor = self.shared.writer().add(name, data, dtype, shape)
+        self.shared.tensors.setdefault(self.key, []).append(tensor)
+        return tensor
+
+
+class _ReplayWriter:
+    """Returns the recorded shared tensors (same order as written), rebased to ``directory``."""
+
+    def __init__(self, recorded: list[ir.ExternalTensor], directory: Path):
+        self.recorded, self.directory, self.index = recorded, Path(directory), 0
+
+    def add(self, name: str, data: torch.Tensor, dtype: ir.DataType, shape: tuple[int, ...]):
+        if self.index >= len(self.recorded):
+            raise CheckpointError(f"shared weight '{name}' was not written by the base export")
+        old = self.recorded[self.index]
+        self.index += 1
+        if old.dtype != dtype or tuple(old.shape.numpy()) != tuple(shape):
+            raise CheckpointError(
+                f"shared weight '{name}' is {dtype.name} {list(shape)} in the draft graph but "
+                f"{old.dtype.name} {list(old.shape.numpy())} in the base graph"
+            )
+        return ir.ExternalTensor(
+            SHARED_NAME,
+            old.offset,
+            old.length,
+            dtype,
+            shape=ir.Shape(shape),
+            name=name,
+            base_dir=str(self.directory),
+        )
+
+
+@dataclass
+class SharedWeights:
+    """The target tensors a draft graph borrows, stored once (module docstring).
+
+    Created for a pair before the base export (:meth:`for_pair`), passed to
+    :func:`materialize` of the base graph (which writes the tensors into ``base_dir /
+    SHARED_NAME``) and then of the draft graph (which points at them).
+
+    Attributes:
+        keys: ``(checkpoint file name, stored tensor name)`` of the target tensors to share.
+        base_dir: the base graph's folder (set by the base export).
+        tensors: key -> the external tensors written for it (a quantized weight: codes and
+            scales, in writing order).
+        dtypes: key -> the graph initializer dtype it was written for (a draft graph of
+            another dtype stores its own copy instead).
+    """
+
+    keys: set[tuple[str, str]]
+    base_dir: Path | None = None
+    tensors: dict[tuple[str, str], list] = field(default_factory=dict)
+    dtypes: dict[tuple[str, str], ir.DataType] = field(default_factory=dict)
+    _writer: ExternalDataWriter | None = None
+
+    @classmethod
+    def for_pair(cls, pair: PairedSources) -> SharedWeights:
+        """The pair's borrowed ``lm_head`` / ``embed_tokens`` (those read from the target)."""
+        keys = set()
+        for found in (pair.lm_head(), pair.embed_tokens()):
+            if found.checkpoint_source == pair.target.checkpoint_source:
+                keys.add((pair.target.info(found.name).file.name, found.name))
+        return cls(keys)
+
+    def writer(self) -> ExternalDataWriter:
+        if self._writer is None:
+            if self.base_dir is None:
+                raise CheckpointError("shared weights written before the base folder was set")
+            self._writer = ExternalDataWriter(self.base_dir, SHARED_NAME)
+        return self._writer
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    @property
+    def path(self) -> Path | None:
+        """The shared file, once the base export wrote it."""
+        return self.base_dir / SHARED_NAME if self._writer is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared tensors (padding excluded)."""
+        return sum(t.length for ts in self.tensors.values() for t in ts)
+
+    def route(self, entry: WeightEntry, dtype: ir.DataType, default, directory: Path):
+        """The writer for ``entry``: the shared file (base), its recorded tensors (draft) or
+        ``default`` (not shared)."""
+        key = (entry.file, entry.tensor)
+        if key not in self.keys:
+            return default
+        if key not in self.tensors:
+            if Path(directory) != self.base_dir:
+                return default  # the base graph did not write it (e.g. another role)
+            self.dtypes[key] = dtype
+            return _RecordingWriter(self, key)
+        if self.dtypes[key] != dtype or entry.checkpoint_source != "target":
+            return default
+        return _ReplayWriter(self.tensors[key], directory)
+
+
 # ----------------------------------------------------------------------------- materialize
 @dataclass
 class WeightReport:
@@ -221,12 +337,15 @@ class WeightReport:
         borrowed: initializers not read from the role's own checkpoint (a draft's head and
             embedding from the target, the computed RoPE table) -> their origin.
         quantized: initializer -> stored format (NVFP4, FP8, FP8_BLOCK) kept as DQ chains.
-        bytes_written: bytes appended to the external data file.
+        bytes_written: bytes of the graph's weights (its own file and the shared one).
+        shared: initializers stored in :data:`SHARED_NAME` -> their bytes (codes only for a
+            quantized weight: its scales are listed by their own names).
     """
 
     borrowed: dict[str, dict] = field(default_factory=dict)
     quantized: dict[str, str] = field(default_factory=dict)
     bytes_written: int = 0
+    shared: dict[str, int] = field(default_factory=dict)
 
     def borrowed_json(self) -> str:
         return json.dumps(self.borrowed, sort_keys=True, separators=(",", ":"))
@@ -247,6 +366,7 @@ def materialize(
     mode: WeightMode,
     sources: list[WeightSource],
     on_tensor: Callable[[str, int], None] | None = None,
+    shared: SharedWeights | None = None,
 ) -> WeightReport:
     """Fill every meta initializer of ``model`` from ``entries`` (module docstring).
 
@@ -257,6 +377,8 @@ def materialize(
         mode: native DequantizeLinear chains or dense dequantization.
         sources: checkpoint sources whose memory maps are released periodically.
         on_tensor: progress callback ``(name, bytes)``.
+        shared: the pair's shared target tensors: written into the shared file (base graph)
+            or pointed at (draft graph) instead of ``writer``.
 
     Raises:
         CheckpointError: an initializer without a source, or a stored tensor whose shape does
@@ -281,15 +403,22 @@ def materialize(
             )
         if entry.checkpoint_source != "component":
             report.borrowed[name] = entry.origin()
+        out = writer
+        if shared is not None:
+            out = shared.route(entry, value.dtype, writer, writer.directory)
+            if out is not writer:
+                report.shared[name] = data.nbytes if isinstance(data, QuantizedWeight) else 0
         if isinstance(data, QuantizedWeight) and mode is WeightMode.NATIVE:
-            chains += _dequantize_chain(graph, value, data, writer)
+            chains += _dequantize_chain(graph, value, data, out)
             report.quantized[name] = data.format.value
             nbytes = data.nbytes
         else:
             dtype = _TORCH_DTYPES[value.dtype]
             dense = data.dequantize(dtype) if isinstance(data, QuantizedWeight) else data.to(dtype)
-            value.const_value = writer.add(name, dense, value.dtype, want)
+            value.const_value = out.add(name, dense, value.dtype, want)
             nbytes = dense.numel() * dense.element_size()
+            if name in report.shared:
+                report.shared[name] = nbytes
             del dense
         del data
         report.bytes_written += nbytes

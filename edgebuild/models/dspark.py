@@ -216,7 +216,11 @@ class DSparkAttention(nn.Module):
             scale=hd**-0.5,
             rms_norm_eps=cfg.rms_norm_eps,
         )
-        self.block_spec = self.context_spec.replace(causal=False, write_kv=False)
+        # a windowed draft (cfg.sliding_window = W): block row at slot P + i sees slots
+        # t > P + i - W (the op's window; context slots map to positions affinely, ring too)
+        self.block_spec = self.context_spec.replace(
+            causal=False, write_kv=False, sliding_window=cfg.sliding_window or 0
+        )
         self.packed_qkv: PackedLinear | None = None  # set by pack_for_cpu
         self.packed_kv: PackedLinear | None = None
         self.packed_o: PackedLinear | None = None

@@ -5,14 +5,28 @@ k = 0..n-1, take the top-k candidates of the base logits z_k, add the Markov bia
 previous token (anchor for k = 0) on those candidates, and draw x_k from the resulting
 distribution q_k (argmax when greedy, softmax(scores / T) otherwise); q_k is zero outside the
 candidates, which keeps rejection sampling exact. `draft_top_k` 0 uses the full vocabulary.
+
+**Context cache.** A full-attention draft keeps one paged row per context position (its pages
+grow with the context and are counted beside the target's). A windowed draft
+(``sliding_window`` W, :class:`RingSequence`) owns a fixed ring of
+:meth:`~edgebuild.checkpoint.dspark_config.DSparkConfig.ring_rows` rows (whole pages) per
+request, taken at its first context row and kept until it is freed: slot t holds position
+``base + t``; when a write or a block would run past the ring, its oldest page moves to the end
+(``base`` += page_size), so the page table is a rotation of the same pages. Context rows that
+no later block can see (older than W before the end of a write) are not computed. Rows of a
+recycled page that are not yet rewritten lie at slots >= the context length, or older than the
+window, so the attention window hides them; the block's rows are never written, so rolling a
+block back is nothing to undo across the wrap.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
+from edgebuild.models.common import PagedBatch
 from edgebuild.models.dspark import DSparkDraft, MarkovHeadType
 from edgebuild.runtime.backend import Proposal
 from edgebuild.runtime.kv_cache import PageAllocator, Sequence, allocate_pools
@@ -35,6 +49,15 @@ def lattice_bytes(batch: int, n: int, k: int, hidden: int) -> int:
     return 4 * batch * n * k * (k + hidden)
 
 
+@dataclass
+class RingSequence(Sequence):
+    """A windowed draft's context (module docstring): ``length`` slots in use, slot t holding
+    position ``base + t``; ``total`` = ``base + length`` context rows seen."""
+
+    base: int = 0
+    total: int = 0
+
+
 class TorchDraft:
     """DraftBackend for a :class:`DSparkDraft` on the CPU.
 
@@ -44,6 +67,9 @@ class TorchDraft:
         page_size: rows per page.
         top_k: candidates per position for the Markov walk (0 = full vocabulary).
         quant: None or ``"int8"``: how the linears are packed (as the target's).
+        ring: a windowed draft's per-request ring (module docstring); default: when its config
+            has a ``sliding_window``. False keeps a full paged cache (the reference the ring is
+            tested against: same window, every row kept).
     """
 
     def __init__(
@@ -53,6 +79,7 @@ class TorchDraft:
         page_size: int,
         top_k: int = 16,
         quant: str | None = None,
+        ring: bool | None = None,
     ):
         cfg = model.config
         self.model, self.config = model, cfg
@@ -63,6 +90,8 @@ class TorchDraft:
             model.pack_for_cpu(quant)
         # + one block per page budget: block rows are reserved (never written) during a pass
         num_pages = -(-max_kv_rows // page_size) + 4 * (-(-cfg.block_size // page_size))
+        self.window = cfg.sliding_window if ring or ring is None else None
+        self.ring_pages = cfg.ring_rows(page_size) // page_size if self.window else 0
         self.allocator = PageAllocator(num_pages, page_size)
         dtype = next(model.parameters()).dtype
         self.pools = allocate_pools(
@@ -75,7 +104,71 @@ class TorchDraft:
         )
 
     def new_sequence(self) -> Sequence:
-        return self.allocator.new_sequence()
+        seq = self.allocator.new_sequence()
+        return RingSequence(seq.seq_id) if self.window else seq
+
+    def context_length(self, seq: Sequence) -> int:
+        """Context rows the sequence has seen (its next block sits at this position)."""
+        return seq.total if isinstance(seq, RingSequence) else seq.length
+
+    def pages_to_grow(self, seq: Sequence | None, rows: int) -> int:
+        """Pages a step that adds ``rows`` context rows and runs a block may newly take
+        (``seq`` None: a new sequence with ``rows`` rows). A ring takes all its pages at once."""
+        if self.window:
+            return self.ring_pages - (len(seq.pages) if seq is not None else 0)
+        have, length = (len(seq.pages), seq.length) if seq is not None else (0, 0)
+        return max(self.allocator.pages_for(length + rows + self.block_size) - have, 0)
+
+    def _ring_make_room(self, seq: RingSequence, end: int) -> None:
+        """Own the ring, then rotate until the ring covers positions up to ``end``."""
+        if not seq.pages:
+            self.allocator.reserve(seq, self.ring_pages * self.allocator.page_size)
+        ps = self.allocator.page_size
+        while seq.base + self.ring_pages * ps < end:
+            seq.pages.append(seq.pages.pop(0))
+            seq.base += ps
+        seq.length = max(seq.total - seq.base, 0)
+
+    def _ring_update(self, seqs: list[RingSequence], features: list[torch.Tensor]) -> None:
+        """Write the rows a later block can see into each ring (module docstring)."""
+        rows, starts = [], []
+        for s, f in zip(seqs, features, strict=True):
+            old, end = s.total, s.total + int(f.shape[0])
+            self._ring_make_room(s, end)
+            first = max(old, end - self.window, s.base)  # older rows: never visible
+            rows.append(f[first - old :])
+            starts.append(first)
+        lengths = [int(r.shape[0]) for r in rows]
+        past = torch.tensor([st - s.base for s, st in zip(seqs, starts, strict=True)])
+        width = max(lengths, default=0)
+        if width == 0:
+            return
+        positions = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]
+        batch = PagedBatch(
+            page_table=self.allocator.page_table(seqs),
+            past_lengths=past.to(torch.int32),
+            input_lengths=torch.tensor(lengths, dtype=torch.int32),
+            positions=positions.to(torch.int32),
+        )
+        self.model.context_update(pad_rows(rows, 0), self.pools, batch)
+        for s, f in zip(seqs, features, strict=True):
+            s.total += int(f.shape[0])
+            s.length = s.total - s.base
+
+    def _ring_block(self, seqs: list[RingSequence], anchors: list[int]) -> torch.Tensor:
+        bs = self.block_size
+        for s in seqs:
+            self._ring_make_room(s, s.total + bs)
+        past = torch.tensor([s.length for s in seqs], dtype=torch.int32)
+        total = torch.tensor([s.total for s in seqs], dtype=torch.int32)
+        batch = PagedBatch(
+            page_table=self.allocator.page_table(seqs),
+            past_lengths=past,
+            input_lengths=torch.full((len(seqs),), bs, dtype=torch.int32),
+            positions=(total[:, None] + torch.arange(bs, dtype=torch.int32)[None, :]),
+        )
+        ids = self.model.block_input_ids(torch.tensor(anchors))
+        return self.model.block_forward(ids, self.pools, batch)
 
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq)
@@ -83,6 +176,9 @@ class TorchDraft:
     @torch.inference_mode()
     def update_context(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
         """Append target features [m_b, n_t * d] of sequence b's new context rows."""
+        if self.window:
+            self._ring_update(seqs, features)
+            return
         lengths = [int(f.shape[0]) for f in features]
         batch = make_batch(self.allocator, seqs, lengths)
         self.model.context_update(pad_rows(features, 0), self.pools, batch)
@@ -103,13 +199,16 @@ class TorchDraft:
         Only the ``max(num_tokens)`` rows that are drafted reach ``lm_head``.
         """
         bs = self.block_size
-        batch = make_batch(self.allocator, seqs, [bs] * len(seqs))
-        try:
-            ids = self.model.block_input_ids(torch.tensor(anchors))
-            h = self.model.block_forward(ids, self.pools, batch)  # [B, Bs, d]
-        finally:
-            for s in seqs:  # block K/V never persist: release the reserved pages
-                self.allocator.truncate(s, s.length)
+        if self.window:
+            h = self._ring_block(seqs, anchors)  # the ring's pages hold the block's slots
+        else:
+            batch = make_batch(self.allocator, seqs, [bs] * len(seqs))
+            try:
+                ids = self.model.block_input_ids(torch.tensor(anchors))
+                h = self.model.block_forward(ids, self.pools, batch)  # [B, Bs, d]
+            finally:
+                for s in seqs:  # block K/V never persist: release the reserved pages
+                    self.allocator.truncate(s, s.length)
         n_max = max(num_tokens, default=0)
         if n_max == 0:  # a budget-cut step: nothing to draft
             return [Proposal([], torch.zeros(0, 1), torch.ones(0), None) for _ in seqs]

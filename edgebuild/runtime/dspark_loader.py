@@ -33,7 +33,8 @@ def prepare_torch_draft(
 
     Returns:
         ``loader(options) -> TorchDraft``: reads the draft's weights in ``options.dtype``
-        (``RuntimeOptions``: ``max_kv_rows``, ``page_size``, ``quant`` too).
+        (``RuntimeOptions``: ``max_draft_kv_rows`` (else ``max_kv_rows``), ``page_size``,
+        ``quant`` too).
 
     Raises:
         ConfigError / PairingError / CheckpointError: a draft that does not fit its target
@@ -53,8 +54,7 @@ def prepare_torch_draft(
 
     def load(options) -> TorchDraft:
         model = DSparkDraft.from_plan(plan, resolve_dtype(options.dtype))
-        return TorchDraft(
-            model, options.max_kv_rows, options.page_size, spec.draft_top_k, options.quant
-        )
+        rows = getattr(options, "max_draft_kv_rows", None) or options.max_kv_rows
+        return TorchDraft(model, rows, options.page_size, spec.draft_top_k, options.quant)
 
     return load

@@ -76,6 +76,11 @@ class RuntimeOptions:
     quant: None, or ``"int8"``: weight-only int8 linears on the CPU (opt-in: faster, but the
         outputs are the int8 model's, not the checkpoint's; DSpark still equals target-only).
     prefill: chunked / batched prefill and prefix caching (:mod:`edgebuild.runtime.prefill`).
+    max_draft_kv_rows: context rows of the DSpark draft's own paged cache (a full-attention
+        draft holds one row per target position); None = max_kv_rows. Admission and
+        preemption count the draft's pages beside the target's (:meth:`LLM.step_pages`): a
+        request whose next step fits the target's pages but not the draft's waits or is
+        preempted like one that does not fit the target.
     """
 
     max_kv_rows: int = 16384
@@ -86,6 +91,7 @@ class RuntimeOptions:
     quant: str | None = None
     max_seq_rows: int | None = None
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    max_draft_kv_rows: int | None = None
 
     def prefill_config(self) -> PrefillConfig:
         """The prefill settings fitted to the page size and max_input_len.
@@ -396,6 +402,27 @@ class LLM:
         draft = self.draft.allocator.free_pages if self.draft is not None else 0
         return self.target.allocator.free_pages, draft
 
+    def kv_usage(self) -> dict[str, dict]:
+        """Each KV pool's pages: ``{"target": ..., "draft": ...}`` (draft only with one), each
+        ``{"pages", "free_pages", "page_size", "bytes_per_token"}``; ``bytes_per_token`` is
+        K + V of every layer for one row (None where the backend's pools are not host
+        tensors, e.g. TensorRT device buffers). For ``/metrics``."""
+        out = {}
+        for name, backend in (("target", self.target), ("draft", self.draft)):
+            if backend is None:
+                continue
+            alloc, pools = backend.allocator, getattr(backend, "pools", None)
+            per_token = (
+                sum(p[0, :, :, 0].numel() * p.element_size() for p in pools) if pools else None
+            )
+            out[name] = {
+                "pages": alloc.num_pages,
+                "free_pages": alloc.free_pages,
+                "page_size": alloc.page_size,
+                "bytes_per_token": per_token,
+            }
+        return out
+
     def first_step_pages(self, prompt_ids: list[int], images=None) -> tuple[int, int]:
         """KV pages (target, draft) the first step of a new request may take: its first
         prefill chunk beyond its cached prompt prefix, plus the evictable cached pages it
@@ -416,22 +443,29 @@ class LLM:
         """
         target_alloc = self.target.allocator
         spec = self.speculative.num_speculative_tokens if self.speculative else 0
-        block = self.draft.block_size if self.draft is not None else 0
         if st.anchor is None and st.seq is None:  # preempted before its first token
             return self.first_step_pages(st.prompt_ids, st.prompt_images), 0
         if st.anchor is None:  # in prefill: its next chunk
             return self.decoder.prefill_step_pages(st), 0
         if st.seq is None:  # preempted: recompute prompt + output[:-1], then a step
             cached = len(st.prompt_ids) + len(st.output_ids) - 1
-            draft = self.draft.allocator.pages_for(cached + block) if self.draft else 0
+            draft = self._draft_pages(None, cached) if self.draft else 0
             return target_alloc.pages_for(cached + 1 + spec), draft
         t = target_alloc.pages_for(st.seq.length + 1 + spec) - len(st.seq.pages)
         if self.draft is None or st.draft_seq is None:
             return max(t, 0), 0
         pending = len(st.pending_features) if st.pending_features is not None else 0
-        d_alloc, dseq = self.draft.allocator, st.draft_seq
-        d = d_alloc.pages_for(dseq.length + pending + block) - len(dseq.pages)
-        return max(t, 0), max(d, 0)
+        return max(t, 0), self._draft_pages(st.draft_seq, pending)
+
+    def _draft_pages(self, dseq, rows: int) -> int:
+        """Draft pages a step adding ``rows`` context rows (and a block) may take: the
+        backend's own count (a windowed draft's ring, all at once), else one row per row."""
+        grow = getattr(self.draft, "pages_to_grow", None)
+        if grow is not None:
+            return grow(dseq, rows)
+        alloc, block = self.draft.allocator, self.draft.block_size
+        have, length = (len(dseq.pages), dseq.length) if dseq is not None else (0, 0)
+        return max(alloc.pages_for(length + rows + block) - have, 0)
 
     def preempt(self, st: RequestState) -> None:
         """Give back the request's KV pages and draft state, keeping its output and

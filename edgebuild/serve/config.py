@@ -184,6 +184,7 @@ class ServeState:
         llm.set_prefill(config.prefill)
         metrics = ServeMetrics(config.model_name)
         metrics.prefill_start(llm.decoder.stats)
+        metrics.attach_kv(llm)  # target and draft pools (issue 27)
         spec = llm.speculative
         metrics.speculative = spec is not None
         if spec is not None and spec.confidence_scheduling:

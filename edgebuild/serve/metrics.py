@@ -165,6 +165,17 @@ class ServeMetrics:
             "edgellm_prefill_passes", "Target passes that ran prompt chunks", registry=r
         )
 
+    def attach_kv(self, llm) -> None:
+        """Export the KV pools of ``llm`` (:meth:`~edgebuild.runtime.llm.LLM.kv_usage`, read at
+        scrape time), the DSpark draft's beside the target's:
+
+        - ``edgellm_kv_cache_usage_perc{pool}``: fraction of the pool's pages in use (vLLM's
+          ``kv_cache_usage_perc``), ``pool`` = ``target`` / ``draft``;
+        - ``edgellm_kv_cache_capacity_bytes{pool}``: the pool's bytes (CPU backend);
+        - ``edgellm_kv_cache_bytes_per_token{pool}``: K + V bytes of one row, all layers.
+        """
+        self.registry.register(_KvCollector(llm))
+
     def attach_schedule(self, scheduler) -> None:
         """Export a :class:`~edgebuild.runtime.spec_schedule.ConfidenceScheduler`'s counters
         (read at scrape time):
@@ -227,6 +238,32 @@ class ServeMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+class _KvCollector:
+    """Prometheus collector over an LLM's KV pools (see attach_kv)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def describe(self):
+        """No fixed descriptions: prometheus_client then calls collect() at each scrape."""
+        return []
+
+    def collect(self):
+        """Usage, capacity and bytes per token of each pool (read at scrape time)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        p = "edgellm_kv_cache_"
+        usage = GaugeMetricFamily(p + "usage_perc", "Fraction of KV pages in use", labels=["pool"])
+        cap = GaugeMetricFamily(p + "capacity_bytes", "KV pool bytes", labels=["pool"])
+        per = GaugeMetricFamily(p + "bytes_per_token", "K+V bytes of one row", labels=["pool"])
+        for pool, u in self.llm.kv_usage().items():
+            usage.add_metric([pool], 1.0 - u["free_pages"] / u["pages"])
+            if u["bytes_per_token"] is not None:
+                cap.add_metric([pool], u["pages"] * u["page_size"] * u["bytes_per_token"])
+                per.add_metric([pool], u["bytes_per_token"])
+        yield from (usage, cap, per)
 
 
 class _ScheduleCollector:

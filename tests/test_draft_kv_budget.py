@@ -1,0 +1,139 @@
+"""Issue 27: the DSpark draft's KV cache is part of the budget.
+
+A full-attention draft holds one context row per target position in its own paged pool
+(``RuntimeOptions.max_draft_kv_rows``). Oracles: the draft's pages counted by the scheduler's
+step-page arithmetic against the allocator's own counts; a pool that holds two requests on
+the target but one on the draft preempts (``edgellm_num_preemptions_total``) and both
+requests still equal their solo target-only runs token for token; the bytes per token stated
+by ``edgebuild inspect --draft`` against the draft's config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from click.testing import CliRunner
+from dspark_fixtures import make_random_draft
+from serve_fixtures import torch_threads, write_tiny_chat_model
+
+from edgebuild.runtime.llm import LLM, RuntimeOptions
+from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.serve.scheduler import Scheduler
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = write_tiny_chat_model(root / "tiny")
+    return target, make_random_draft(root / "draft", target, block_size=BLOCK)
+
+
+def _spec(draft):
+    return {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3}
+
+
+def run_scheduler(llm, prompts, params, max_batch_size):
+    """Final events of ``prompts`` submitted together, and the preemption count."""
+
+    async def main():
+        sched = Scheduler(llm, max_batch_size=max_batch_size)
+        sched.start()
+        try:
+            tickets = [sched.submit(p, params) for p in prompts]
+            ends = []
+            for t in tickets:
+                async for ev in t.events():
+                    if ev.kind != "token":
+                        ends.append(ev)
+            return ends, sched.metrics.preemptions._value.get()
+        finally:
+            await asyncio.to_thread(sched.close)
+
+    return asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def test_a_full_attention_drafts_pages_are_counted_per_context_row(pair):
+    target, draft = pair
+    opts = RuntimeOptions(max_kv_rows=512, max_input_len=64, page_size=8, max_draft_kv_rows=96)
+    llm = LLM(target, speculative=_spec(draft), options=opts)
+    d = llm.draft.allocator
+    assert d.num_pages * d.page_size == 96 + 4 * 8  # 96 rows + one page per reserved block
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    st = llm.generate_ids([list(range(5, 30))], params)[0]  # 25 prompt rows, 12 generated
+    assert len(st.output_ids) == 12
+    # the draft's pages grow with its context: one row per target position it has seen
+    free_t, free_d = llm.free_pages()
+    assert (free_t, free_d) == (llm.target.allocator.num_pages, d.num_pages)  # all freed
+    new = llm.new_request(list(range(5, 30)), params, "r")
+    while new.anchor is None:
+        llm.decoder.step([new])
+    need_t, need_d = llm.step_pages(new)
+    pending = len(new.pending_features) if new.pending_features is not None else 0
+    want = d.pages_for(new.draft_seq.length + pending + BLOCK) - len(new.draft_seq.pages)
+    assert need_d == max(want, 0) and need_d > 0
+    # /metrics: both pools, with the draft's K+V bytes per row from its config
+    from prometheus_client import generate_latest
+
+    from edgebuild.serve.metrics import ServeMetrics
+
+    llm.decoder.step([new])  # the draft takes its pending context: pages in use
+    assert new.draft_seq.length > 0
+    metrics = ServeMetrics("m")
+    metrics.attach_kv(llm)
+    text = generate_latest(metrics.registry).decode()
+    cfg = llm.draft.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32
+    assert f'edgellm_kv_cache_bytes_per_token{{pool="draft"}} {float(per_token)}' in text
+    used = 1 - d.free_pages / d.num_pages
+    assert used > 0 and f'edgellm_kv_cache_usage_perc{{pool="draft"}} {used}' in text
+    assert f'edgellm_kv_cache_capacity_bytes{{pool="draft"}} {float(128 * per_token)}' in text
+    llm.finish(new)
+
+
+def test_a_pool_big_enough_for_the_targets_alone_preempts_on_the_draft_and_stays_exact(pair):
+    """Target pool: 2 x 60 rows fit; draft pool: 64 rows hold one request's context only.
+    Both requests run, one is preempted (never a crash), both equal target-only."""
+    target, draft = pair
+    prompts = [[5, 9, 2, 33, 7, 11], [12, 4, 80, 3, 19]]
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    reference = LLM(target, options=RuntimeOptions(max_kv_rows=512, max_input_len=64))
+    want = [reference.generate_ids([p], params)[0].stopper.final_text() for p in prompts]
+    opts = RuntimeOptions(max_kv_rows=256, max_input_len=64, page_size=8, max_draft_kv_rows=64)
+    llm = LLM(target, speculative=_spec(draft), options=opts)
+    assert llm.target.allocator.num_pages * 8 >= 2 * (6 + 50 + 4)  # the target holds both
+    ends, preemptions = run_scheduler(llm, prompts, params, max_batch_size=2)
+    assert [e.kind for e in ends] == ["done", "done"], [e.message for e in ends]
+    assert preemptions >= 1  # the draft's pages did not hold both contexts
+    assert [e.completion_tokens for e in ends] == [50, 50]
+    assert llm.free_pages() == (llm.target.allocator.num_pages, llm.draft.allocator.num_pages)
+    assert [e.final_text for e in ends] == want
+
+
+def test_inspect_and_the_manifest_state_the_drafts_kv_bytes_per_token(pair, tmp_path):
+    from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
+    from edgebuild.cli import main
+
+    target, draft = pair
+    cfg = json.loads((draft / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * 2  # K+V, bf16
+    result = CliRunner().invoke(main, ["inspect", str(target), "--draft", str(draft), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["draft"]["kv_cache_bf16"] == {"attention": "full", "bytes_per_token": per_token}
+    recipe = recipe_from_flags(target, draft, max_input_len=32, max_kv_cache_capacity=64)
+    out = tmp_path / "bundle"
+    build_bundle(recipe, out, BuildOptions(onnx_only=True, progress=False))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dspark"]["kv_cache"] == {"attention": "full", "bytes_per_token": per_token}

@@ -1,0 +1,233 @@
+"""Issue 27: sliding-window DSpark drafts on a fixed ring of pages per request.
+
+Oracles: the same draft run with a full paged cache and the attention op's explicit window
+mask (``TorchDraft(ring=False)``; the op's window is checked against dense attention in
+tests/test_attention_op.py) proposes the same drafts, within fp32 tolerance, at every step up
+to a context of 3W (W = 8, block size 4, page size 4: the ring wraps several times), while the
+same draft without the window does not; the ring's pages stay the same from context 1k to 8k;
+greedy DSpark equals target-only with a random and with a perfect windowed draft.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspark_fixtures import make_random_draft
+from test_dspark_decoding import speculative, target_only, write_tiny_target
+
+from edgebuild.checkpoint.config import ModelConfig
+from edgebuild.checkpoint.draft import pair_draft
+from edgebuild.checkpoint.source import WeightSource
+from edgebuild.errors import ConfigError
+from edgebuild.models.dspark import DSparkDraft
+from edgebuild.models.llama import LlamaForCausalLM
+from edgebuild.runtime.backend import Proposal
+from edgebuild.runtime.dspark_backend import RingSequence, TorchDraft
+from edgebuild.runtime.sampling import SamplingParams
+
+W, BLOCK, PAGE = 8, 4, 4
+SPELLINGS = {
+    "deepspec-use-swa": {"dflash_config.use_swa": True, "dflash_config.swa_window_size": W},
+    "hf-use-sliding-window": {
+        "use_sliding_window": True,
+        "sliding_window": W,
+        "max_window_layers": 0,
+    },
+    "layer-types": {"layer_types": ["sliding_attention"] * 2, "sliding_window": W},
+}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_tiny_target(tmp_path_factory.mktemp("t") / "target")
+
+
+def windowed_draft(out, target, spelling="layer-types", seed=0):
+    return make_random_draft(
+        out, target, num_layers=2, block_size=BLOCK, seed=seed, scale=0.2,
+        overrides=SPELLINGS[spelling],
+    )  # fmt: skip
+
+
+def load_model(draft, target) -> DSparkDraft:
+    plan = pair_draft(WeightSource(target), draft)
+    return DSparkDraft.from_plan(plan, torch.float32)
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_each_packaging_spelling_gives_the_window(spelling, target, tmp_path):
+    draft = windowed_draft(tmp_path / "d", target, spelling)
+    cfg = pair_draft(WeightSource(target), draft).config
+    assert cfg.sliding_window == W
+    budget = cfg.kv_budget(2, page_size=PAGE)
+    assert budget["attention"] == "sliding" and budget["ring_rows"] == 16  # (3 + 1) pages of 4
+    assert budget["bytes_per_request"] == 16 * cfg.kv_bytes_per_row(2)
+
+
+def test_half_sliding_layers_are_refused_by_name(target, tmp_path):
+    draft = make_random_draft(
+        tmp_path / "d", target, num_layers=2, block_size=BLOCK,
+        overrides={"use_sliding_window": True, "sliding_window": W, "max_window_layers": 1},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="max_window_layers' = 1.*set max_window_layers to 0"):
+        pair_draft(WeightSource(target), draft)
+
+
+def _proposals(draft, seqs, anchors):
+    g = [torch.Generator().manual_seed(0) for _ in seqs]
+    greedy = [SamplingParams(temperature=0.0)] * len(seqs)
+    return draft.propose(seqs, anchors, [BLOCK] * len(seqs), greedy, g)
+
+
+def test_the_ring_equals_a_full_cache_with_the_window_mask_up_to_3w(target, tmp_path):
+    model = load_model(windowed_draft(tmp_path / "d", target), target)
+    ring = TorchDraft(model, 512, PAGE, top_k=8, ring=True)
+    full = TorchDraft(model, 512, PAGE, top_k=8, ring=False)
+    nowin = TorchDraft(load_model(windowed_draft(tmp_path / "d", target), target), 512, PAGE, 8)
+    for layer in nowin.model.layers:  # the same weights without the window: must differ
+        layer.self_attn.block_spec = layer.self_attn.block_spec.replace(sliding_window=0)
+    nowin.window = None
+    width = model.fc.in_features
+    g = torch.Generator().manual_seed(1)
+    chunks = [[1, 3], [3, 1], [5, 6], [2, 2], [7, 1], [1, 9], [4, 2], [1, 1]]  # 24 rows each
+    seqs = {name: [d.new_sequence(), d.new_sequence()] for name, d in
+            (("ring", ring), ("full", full), ("nowin", nowin))}  # fmt: skip
+    assert all(isinstance(s, RingSequence) for s in seqs["ring"])
+    differed = False
+    for step, (a, b) in enumerate(chunks):
+        feats = [torch.randn(a, width, generator=g), torch.randn(b, width, generator=g)]
+        anchors = [3 + step, 40 + step]
+        got = {}
+        for name, d in (("ring", ring), ("full", full), ("nowin", nowin)):
+            d.update_context(seqs[name], [f.clone() for f in feats])
+            got[name] = _proposals(d, seqs[name], anchors)
+        for pr, pf, pn in zip(got["ring"], got["full"], got["nowin"], strict=True):
+            assert pr.tokens == pf.tokens
+            torch.testing.assert_close(pr.q, pf.q, atol=1e-5, rtol=0)
+            torch.testing.assert_close(pr.confidence, pf.confidence, atol=1e-5, rtol=0)
+            differed |= not torch.allclose(pr.q, pn.q, atol=1e-4)
+        assert [ring.context_length(s) for s in seqs["ring"]] == [s.length for s in seqs["full"]]
+        for s in seqs["ring"]:  # a fixed ring: the same pages, rotated
+            assert len(s.pages) == ring.ring_pages == 4
+    assert sum(a for a, _ in chunks) == 3 * W
+    assert seqs["ring"][0].base > 0 and seqs["ring"][1].base > 0  # it wrapped
+    assert differed  # past the window the mask matters: the test can tell
+
+
+def test_the_rings_pages_stay_the_same_from_context_1k_to_8k(target, tmp_path):
+    model = load_model(windowed_draft(tmp_path / "d", target), target)
+    ring = TorchDraft(model, 512, PAGE, top_k=8)
+    seq = ring.new_sequence()
+    width = model.fc.in_features
+    held = []
+    for rows in (1000, 3000, 4000):  # contexts 1k, 4k, 8k
+        ring.update_context([seq], [torch.randn(rows, width)])
+        _proposals(ring, [seq], [5])
+        held.append((len(seq.pages), ring.allocator.free_pages, ring.pages_to_grow(seq, 100)))
+    assert ring.context_length(seq) == 8000
+    bytes_per_page = sum(p[0].numel() * p.element_size() for p in ring.pools)
+    assert held == [(4, ring.allocator.num_pages - 4, 0)] * 3
+    assert 4 * bytes_per_page == model.config.kv_budget(4, PAGE)["bytes_per_request"]
+
+
+class PerfectRing:
+    """The windowed draft (its ring does all its work) with the target's own continuation as
+    its proposals: everything is accepted."""
+
+    def __init__(self, inner: TorchDraft, vocab: int):
+        self.inner, self.vocab, self.full = inner, vocab, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, seqs, anchors, num_tokens, params, generators):
+        self.inner.propose(seqs, anchors, num_tokens, params, generators)
+        out = []
+        for s, n in zip(seqs, num_tokens, strict=True):
+            at = self.inner.context_length(s)
+            toks = list(self.full[s.seq_id][at + 1 : at + 1 + n])
+            toks += [0] * (n - len(toks))
+            q = torch.nn.functional.one_hot(torch.tensor(toks, dtype=torch.long), self.vocab)
+            out.append(Proposal(toks, q.float().reshape(n, self.vocab), torch.ones(n)))
+        return out
+
+
+def test_greedy_dspark_with_a_windowed_draft_equals_target_only(target, tmp_path):
+    model = LlamaForCausalLM.from_source(WeightSource(target))
+    vocab = ModelConfig.from_file(target).vocab_size
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (5, 19, 11)]
+    params = SamplingParams(max_tokens=40)
+    ref = target_only(model, prompts, params)
+    want = [s.output_ids for s in ref]
+    draft = TorchDraft(load_model(windowed_draft(tmp_path / "d", target), target), 4096, PAGE)
+    for n in (1, 3):
+        got = speculative(model, draft, prompts, params, n)
+        assert [s.output_ids for s in got] == want
+    full = [p + s.output_ids for p, s in zip(prompts, ref, strict=True)]
+    perfect = PerfectRing(draft, vocab)
+    got = speculative(model, perfect, prompts, params, 3, full=full)
+    assert [s.output_ids for s in got] == want
+    for st in got:  # everything accepted
+        assert all(a == 1.0 for a in st.metrics.acceptance_by_position)
+    assert draft.allocator.free_pages == draft.allocator.num_pages  # rings given back
+
+
+def test_the_exported_draft_graphs_carry_the_window(tmp_path):
+    """Portable graph in onnxruntime == the eager graph with the window at a context of 3W
+    (and != without it); the plugin graph's block nodes carry sliding_window = W. A bundle is
+    refused by name: no engine runtime keeps the ring yet."""
+    import onnx
+    from export_fixtures import draft_feeds, make_tiny_target, run_ort
+
+    from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
+    from edgebuild.checkpoint.pairing import PairedSources
+    from edgebuild.checkpoint.source import COMPONENT, TARGET
+    from edgebuild.export import ExportOptions, GraphKind, export_draft
+    from edgebuild.export.graphs import ROPE_BUFFER, DraftGraph
+    from edgebuild.ops.rope import rope_cos_sin_table
+
+    target = make_tiny_target(tmp_path / "t", "qwen3")
+    draft = windowed_draft(tmp_path / "d", target)
+    pair = PairedSources(WeightSource(draft, COMPONENT), WeightSource(target, TARGET))
+    tcfg = ModelConfig.from_file(target)
+    opts = ExportOptions(kind=GraphKind.PORTABLE, dtype="float32", top_k=5)
+    exported = export_draft(pair, tcfg, tmp_path / "out", opts)
+    feeds = draft_feeds(pair_draft(WeightSource(target), draft).config, context=3 * W, capacity=40)
+    got = run_ort(exported.onnx_path, feeds)
+
+    def eager(window: int):
+        head, embed = pair.lm_head(), pair.embed_tokens()
+        model = DSparkDraft.from_source(pair.draft, tcfg, head.value, embed.value, torch.float32)
+        for layer in model.layers:
+            layer.self_attn.block_spec = layer.self_attn.block_spec.replace(sliding_window=window)
+        graph = DraftGraph(model, GraphKind.PORTABLE, 32, tcfg.max_position_embeddings, 5)
+        rows = tcfg.max_position_embeddings
+        getattr(graph, ROPE_BUFFER).copy_(
+            rope_cos_sin_table(model.config.head_dim, rows, tcfg.rope)
+        )
+        with torch.no_grad():
+            out = graph(*[t.clone() for t in feeds.values()])
+        return dict(zip(graph.output_names(), out, strict=True))
+
+    ref, nowin = eager(W), eager(0)
+    torch.testing.assert_close(
+        torch.from_numpy(got["draft_scores"]), ref["draft_scores"], atol=1e-4, rtol=0
+    )
+    assert not torch.allclose(ref["draft_scores"], nowin["draft_scores"], atol=1e-3)
+    plugin = export_draft(pair, tcfg, tmp_path / "plugin", ExportOptions(dtype="float32", top_k=5))
+    model = onnx.load(str(plugin.onnx_path), load_external_data=False)
+    attrs = [
+        {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        for n in model.graph.node
+        if n.op_type == "EdgebuildAttention"
+    ]
+    assert sorted((a["write_kv"], a["sliding_window"]) for a in attrs) == [
+        (0, W),
+        (0, W),
+        (1, 0),
+        (1, 0),
+    ]
+    recipe = recipe_from_flags(target, draft, max_input_len=32, max_kv_cache_capacity=64)
+    with pytest.raises(ConfigError, match="sliding_window 8.*torch backend"):
+        build_bundle(recipe, tmp_path / "b", BuildOptions(onnx_only=True, progress=False))
