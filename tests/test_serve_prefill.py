@@ -102,15 +102,16 @@ def test_no_enable_chunked_prefill_runs_whole_prompts_one_per_pass(tiny_llm):
 
 
 def test_the_flags_reach_the_config_and_bad_values_name_the_flag(tiny_dir, monkeypatch):
+    import edgebuild.deploy
     from edgebuild.serve import cli
 
     seen = {}
 
-    def fake_load(config):
+    def fake_loader(config, probe=None):
         seen["config"] = config
         raise ConfigError("stop here")
 
-    monkeypatch.setattr(cli, "load_state", fake_load)
+    monkeypatch.setattr(edgebuild.deploy, "serve_loader", fake_loader)
     args = [str(tiny_dir), "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
             "--max-num-batched-tokens", "64"]  # fmt: skip
     result = CliRunner().invoke(cli.main, args)
