@@ -74,6 +74,7 @@ class RuntimeOptions:
     quant: None, or ``"int8"``: weight-only int8 linears on the CPU (opt-in: faster, but the
         outputs are the int8 model's, not the checkpoint's; DSpark still equals target-only).
     prefill: chunked / batched prefill and prefix caching (:mod:`edgebuild.runtime.prefill`).
+    ort_threads: intra-op threads of the ``onnxruntime`` backend's sessions (0: its default).
     """
 
     max_kv_rows: int = 16384
@@ -84,6 +85,7 @@ class RuntimeOptions:
     quant: str | None = None
     max_seq_rows: int | None = None
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    ort_threads: int = 0  # the onnxruntime backend's intra-op threads (0: its default)
 
     def prefill_config(self) -> PrefillConfig:
         """The prefill settings fitted to the page size and max_input_len.
@@ -106,13 +108,19 @@ def open_runtime(backend: str, resolved, spec, options: RuntimeOptions, source: 
     target_model, ``runtime_options()``, ``decoder(spec)``).
 
     ``tensorrt``: the bundle's engines (:func:`edgebuild.runtime.trt_backend.open_trt_runtime`;
-    no torch weights are loaded, limits come from the bundle); anything else: the torch CPU
+    no torch weights are loaded, limits come from the bundle); ``onnxruntime``: the bundle's
+    ONNX graphs through the same code (:func:`edgebuild.runtime.ort_engine.open_ort_runtime`);
+    anything else: the torch CPU
     backend over the source checkpoints (:func:`open_torch_runtime`).
     """
     if backend == "tensorrt":
         from edgebuild.runtime.trt_backend import open_trt_runtime
 
         return open_trt_runtime(resolved, spec, source=source)
+    if backend == "onnxruntime":  # the bundle's ONNX graphs on the CPU, through runtime/trt/
+        from edgebuild.runtime.ort_engine import open_ort_runtime
+
+        return open_ort_runtime(resolved, spec, options.ort_threads, source=source)
     return open_torch_runtime(resolved, spec, options, source)
 
 
