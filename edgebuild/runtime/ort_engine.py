@@ -118,6 +118,9 @@ class OrtRunner:
         shapes = {n: tuple(bindings[n].shape) for n in self.inputs}
         if not prof.admits(shapes):
             raise EngineError(f"{self.path}: input shapes {shapes} are outside profile {prof.name}")
+        from edgebuild.runtime.ort_attention import take_errors
+
+        take_errors()
         feed = {n: bindings[n].numpy() for n in self.inputs}
         try:
             outs = self.session.run(self.outputs, feed)
@@ -125,6 +128,12 @@ class OrtRunner:
             raise EngineError(
                 f"{self.path}: onnxruntime failed on the {self.role} graph: {exc}"
             ) from None
+        refused = take_errors()
+        if refused:
+            raise EngineError(
+                f"{self.path}: the {self.role} graph's attention node refused the call: "
+                f"{refused[0]}"
+            )
         for name, value in zip(self.outputs, outs, strict=True):
             dst = bindings[name]
             src = torch.from_numpy(value)
