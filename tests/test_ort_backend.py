@@ -192,3 +192,53 @@ def test_the_example_bundle_on_onnxruntime_equals_the_torch_backend(tmp_path_fac
     ort = LLM(bundle, backend="onnxruntime", options=FP32)
     ref = LLM(bundle, backend="torch", options=FP32)
     check_parity(ort, ref, EXAMPLE_PROMPTS, max_tokens=6)
+
+
+# ---------------------------------------------------------------------- serving paths, CLI
+def test_prefix_cache_hits_and_chunked_prefill_on_the_adapter_equal_the_torch_backend(
+    tiny_bundle,
+):
+    from edgebuild.runtime.prefill import PrefillConfig
+
+    prefill = PrefillConfig(enable_chunked_prefill=True, prefill_chunk=8)
+    options = RuntimeOptions(dtype=torch.float32, ort_threads=1, prefill=prefill)
+    ort = LLM(tiny_bundle, backend="onnxruntime", options=options)
+    ref = LLM(tiny_bundle, backend="torch", options=options)
+    shared = [7, 3, 90, 14, 2, 2, 51, 8, 9, 30, 31, 4, 77, 5, 6, 60, 61, 62]  # 2 full pages
+    prompts = [shared + [1, 2], shared + [40], [9] * 21]  # 21 rows: three chunks of <= 8
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    want = [[s.output_ids for s in ref.generate_ids([p], sp)][0] for p in prompts]
+    got = [[s.output_ids for s in ort.generate_ids([p], sp)][0] for p in prompts]
+    assert got == want
+    assert ort.decoder.stats.prefix_hits >= 16  # the second prompt reused the shared pages
+
+
+def test_auto_never_picks_onnxruntime_and_it_needs_a_bundle(tiny_bundle, tmp_path):
+    from edgebuild.runtime.select import HostProbe, select_backend
+
+    thor = HostProbe(gpu=True, gpu_sm="sm_110", tensorrt_version="10.13.0.35")
+    for probe in (HostProbe(gpu=False), thor):
+        assert select_backend("auto", tiny_bundle, probe).name != "onnxruntime"
+    assert select_backend("onnxruntime", tiny_bundle, thor).name == "onnxruntime"
+    with pytest.raises(ConfigError, match="not a bundle.*--onnx-only --dtype float32"):
+        select_backend("onnxruntime", tmp_path, thor)
+
+
+def test_edgebuild_run_backend_onnxruntime_prints_the_torch_backends_text(tiny_bundle):
+    import json
+
+    from click.testing import CliRunner
+
+    from edgebuild.cli import main
+
+    def run(backend):
+        args = ["run", str(tiny_bundle), "--prompt", "a b c", "--max-tokens", "6",
+                "--temperature", "0", "--dtype", "float32", "--json", "--backend", backend]  # fmt: skip
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output[res.output.index("{") :])
+
+    got, want = run("onnxruntime"), run("torch")
+    assert (got["backend"], want["backend"], got["mode"]) == ("onnxruntime", "torch", "dspark")
+    assert got["output_ids"] == want["output_ids"] and got["texts"] == want["texts"]
+    assert len(got["output_ids"][0]) == 6
