@@ -246,3 +246,24 @@ def test_edgebuild_run_backend_onnxruntime_prints_the_torch_backends_text(tiny_b
     assert (got["backend"], want["backend"], got["mode"]) == ("onnxruntime", "torch", "dspark")
     assert got["output_ids"] == want["output_ids"] and got["texts"] == want["texts"]
     assert len(got["output_ids"][0]) == 6
+
+
+def test_serving_a_bundle_on_onnxruntime_plans_it_and_a_checkpoint_is_refused(tiny_bundle):
+    from edgebuild.deploy import prepare_serve
+    from edgebuild.runtime.select import HostProbe
+    from edgebuild.serve.config import ServeConfig
+
+    config = ServeConfig(model=str(tiny_bundle), backend="onnxruntime")
+    config.validate()
+    plan = prepare_serve(config, HostProbe(gpu=False))(None)
+    assert plan.backend.name == "onnxruntime" and Path(plan.model) == tiny_bundle
+    target = json_source(tiny_bundle)
+    with pytest.raises(ConfigError, match="--backend onnxruntime serves a bundle"):
+        prepare_serve(ServeConfig(model=str(target), backend="onnxruntime"), HostProbe(gpu=False))
+
+
+def json_source(bundle: Path) -> Path:
+    import json
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    return Path(manifest["sources"]["target"]["path"])
