@@ -178,7 +178,8 @@ def doctor() -> None:
     type=click.Choice(BACKENDS),
     default="auto",
     show_default=True,
-    help="auto: TensorRT when the bundle's engines fit this GPU and TensorRT, else torch.",
+    help="auto: TensorRT when the bundle's engines fit this GPU and TensorRT, else torch; "
+    "onnxruntime: a bundle's ONNX graphs on the CPU (never chosen by auto).",
 )
 @_friendly
 def run(model, prompts, revision, chat, max_tokens, temperature, top_p, top_k, seed, spec,
@@ -194,7 +195,7 @@ def run(model, prompts, revision, chat, max_tokens, temperature, top_p, top_k, s
     set_cpu_threads(threads)
     choice = select_backend(backend, model)
     click.echo(f"backend: {choice.name} ({choice.reason})", err=True)
-    options = RuntimeOptions(dtype=resolve_dtype(dtype), quant=quant)
+    options = RuntimeOptions(dtype=resolve_dtype(dtype), quant=quant, ort_threads=threads or 0)
     llm = LLM(model, speculative=spec, options=options, backend=choice.name)
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     sampling = {**llm.generation.sampling(), **{k: v for k, v in given.items() if v is not None}}

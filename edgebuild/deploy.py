@@ -137,6 +137,11 @@ def prepare_serve(config: ServeConfig, probe: HostProbe | None = None):
     spec = None
     if config.speculative_config is not None:
         spec = SpeculativeConfig.parse(config.speculative_config)
+    if config.backend == "onnxruntime":
+        raise ConfigError(
+            f"--backend onnxruntime serves a bundle's ONNX graphs; {config.model} is a "
+            "checkpoint: build a bundle (`edgebuild build --onnx-only --dtype float32`)"
+        )
     if config.backend == "torch":
         plan = _torch_plan(target, spec, "requested with --backend torch")
         return lambda startup: plan

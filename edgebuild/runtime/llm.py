@@ -81,6 +81,7 @@ class RuntimeOptions:
         preemption count the draft's pages beside the target's (:meth:`LLM.step_pages`): a
         request whose next step fits the target's pages but not the draft's waits or is
         preempted like one that does not fit the target.
+    ort_threads: intra-op threads of the ``onnxruntime`` backend's sessions (0: its default).
     """
 
     max_kv_rows: int = 16384
@@ -92,6 +93,7 @@ class RuntimeOptions:
     max_seq_rows: int | None = None
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     max_draft_kv_rows: int | None = None
+    ort_threads: int = 0  # the onnxruntime backend's intra-op threads (0: its default)
 
     def prefill_config(self) -> PrefillConfig:
         """The prefill settings fitted to the page size and max_input_len.
@@ -114,13 +116,19 @@ def open_runtime(backend: str, resolved, spec, options: RuntimeOptions, source: 
     target_model, ``runtime_options()``, ``decoder(spec)``).
 
     ``tensorrt``: the bundle's engines (:func:`edgebuild.runtime.trt_backend.open_trt_runtime`;
-    no torch weights are loaded, limits come from the bundle); anything else: the torch CPU
+    no torch weights are loaded, limits come from the bundle); ``onnxruntime``: the bundle's
+    ONNX graphs through the same code (:func:`edgebuild.runtime.ort_engine.open_ort_runtime`);
+    anything else: the torch CPU
     backend over the source checkpoints (:func:`open_torch_runtime`).
     """
     if backend == "tensorrt":
         from edgebuild.runtime.trt_backend import open_trt_runtime
 
         return open_trt_runtime(resolved, spec, source=source)
+    if backend == "onnxruntime":  # the bundle's ONNX graphs on the CPU, through runtime/trt/
+        from edgebuild.runtime.ort_engine import open_ort_runtime
+
+        return open_ort_runtime(resolved, spec, options.ort_threads, source=source)
     return open_torch_runtime(resolved, spec, options, source)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from edgebuild.errors import ConfigError
 
-BACKENDS = ("auto", "torch", "tensorrt")
+BACKENDS = ("auto", "torch", "tensorrt", "onnxruntime")
 MANIFEST_NAME = "manifest.json"  # edgebuild.bundle.manifest.MANIFEST_NAME (light import here)
 
 
@@ -177,19 +177,27 @@ def select_backend(
     """Pick the backend for ``model_path`` (module docstring).
 
     Args:
-        requested: ``auto``, ``torch`` or ``tensorrt``.
+        requested: ``auto``, ``torch``, ``tensorrt`` or ``onnxruntime`` (a bundle's ONNX
+            graphs on the CPU through the TensorRT backend's code; never chosen by ``auto``).
         model_path: a checkpoint or bundle directory.
         probe: the machine facts (default: :func:`probe_host`); a mapping is read by
             :meth:`HostProbe.from_mapping`.
 
     Raises:
-        ConfigError: an unknown backend, or ``tensorrt`` requested but not usable (the
-            message lists every reason and the fix).
+        ConfigError: an unknown backend, ``tensorrt`` requested but not usable (the
+            message lists every reason and the fix), or ``onnxruntime`` for a non-bundle.
     """
     if requested not in BACKENDS:
         raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
     if requested == "torch":
         return BackendChoice("torch", "requested with --backend torch")
+    if requested == "onnxruntime":
+        if not (Path(model_path) / "manifest.json").is_file():
+            raise ConfigError(
+                f"--backend onnxruntime runs a bundle's ONNX graphs, and {model_path} is not a "
+                "bundle; build one with `edgebuild build --onnx-only --dtype float32`"
+            )
+        return BackendChoice("onnxruntime", "requested: the bundle's ONNX graphs on the CPU")
     if probe is None:
         probe = probe_host()
     elif isinstance(probe, Mapping):

@@ -51,7 +51,7 @@ class ServeConfig:
         max_queued_requests: requests that may wait beyond a full batch (then 429).
         max_request_bytes: largest accepted request body (then 413).
         allowed_local_media_path: directory `file://` images may come from (vision models).
-        backend: auto | torch | tensorrt.
+        backend: auto | torch | tensorrt | onnxruntime (a bundle's ONNX graphs on the CPU).
         threads: torch CPU threads (None = cores - 1, at least 1; runtime/cpu.py).
         dtype: CPU compute dtype: auto (bfloat16 with native CPU bf16, else float32),
             bfloat16 or float32.
@@ -287,6 +287,7 @@ def load_state(config: ServeConfig, plan: ServePlan | None = None) -> ServeState
         max_seq_rows=config.max_model_len,
         dtype=resolve_dtype(config.dtype),
         prefill=config.prefill,
+        ort_threads=config.threads or 0,
     )
     llm = LLM(
         plan.model,
