@@ -1,7 +1,8 @@
 """onnxruntime sessions standing in for TensorRT engines: :class:`OrtRunner` has the interface
 :mod:`edgebuild.runtime.trt` drives engines through (``execute(profile, bindings, graph_key)``
 on the buffers :class:`~edgebuild.runtime.trt.buffers.RoleBuffers` plans), over a bundle's
-own ``<role>/model.onnx`` (never rewritten on disk), on the CPU.
+own graphs (``roles.<role>.onnx`` of the manifest: ``base/model.onnx``, ``base/draft.onnx``,
+``visual/model.onnx``; never rewritten on disk), on the CPU.
 
 * Inputs are the bound views (zero-copy numpy views of the CPU buffers); every output is
   copied into its bound view. A KV output (``present_kv_cache_i``) is bound to the pool
@@ -61,7 +62,7 @@ class OrtRunner:
     """One role's ``model.onnx`` in an onnxruntime CPU session, run like an engine.
 
     Args:
-        onnx_path: ``BUNDLE/<role>/model.onnx`` (its external weights beside it).
+        onnx_path: the role's graph (``roles.<role>.onnx``; its external weights beside it).
         io: the role's declared I/O (manifest), checked against the session's.
         profiles: the role's optimization profiles (call shapes are checked against them).
         threads: onnxruntime intra-op threads (0: onnxruntime's default).
@@ -171,18 +172,19 @@ def open_ort_runtime(resolved, spec, threads: int = 0, source=None):
     with_visual = _check_vision(manifest, config, bundle)
     with_draft = _check_spec(manifest, spec, EngineLimits.from_manifest(manifest), bundle)
     roles = ["base", *(["draft"] if with_draft else []), *(["visual"] if with_visual else [])]
+    graphs = {r: bundle / (manifest["roles"][r].get("onnx") or f"{r}/model.onnx") for r in roles}
     for role in roles:
         io = role_io(manifest, role)
         wide = sorted({t.dtype for t in io.inputs if t.dtype.startswith(("bfloat", "float1"))})
         if wide:
             raise ConfigError(
-                f"{bundle}/{role}/model.onnx is a {wide[0]} graph; onnxruntime's CPU provider "
+                f"{graphs[role]} is a {wide[0]} graph; onnxruntime's CPU provider "
                 "has no kernels for it (MatMul); rebuild the bundle with "
                 "`edgebuild build --onnx-only --dtype float32` to run it on this backend"
             )
     runners = {
         role: OrtRunner(
-            bundle / role / "model.onnx", role_io(manifest, role), role_profiles(manifest, role),
+            graphs[role], role_io(manifest, role), role_profiles(manifest, role),
             threads,
         )
         for role in roles
