@@ -43,7 +43,7 @@ class TorchDraft:
         max_kv_rows: context-cache capacity in rows across sequences.
         page_size: rows per page.
         top_k: candidates per position for the Markov walk (0 = full vocabulary).
-        quant: None or ``"int8"``: how the linears are packed (as the target's).
+        quant: None, ``"int8"`` or ``"int4"``: how the linears are packed (as the target's).
     """
 
     def __init__(
