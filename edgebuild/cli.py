@@ -169,9 +169,10 @@ def doctor() -> None:
 )
 @click.option(
     "--quant",
-    type=click.Choice(["int8"]),
+    type=click.Choice(["int8", "int4"]),
     default=None,
-    help="CPU backend: weight-only int8 linears (opt-in; faster, outputs are the int8 model's).",
+    help="CPU backend: weight-only int8 (per channel) or int4 (groups of 32) linears (opt-in; "
+    "faster, outputs are the quantized model's).",
 )
 @click.option(
     "--backend",

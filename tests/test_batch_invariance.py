@@ -14,7 +14,14 @@ import json
 import pytest
 import torch
 
-from edgebuild.ops.linear import MAX_INVARIANT_ROWS, PackedLinear, packing_available
+from edgebuild.ops.linear import (
+    INT4_GROUP_SIZE,
+    MAX_INVARIANT_ROWS,
+    PackedLinear,
+    dequantize_int4,
+    packing_available,
+    quantize_int4,
+)
 from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.sampling import SamplingParams
 from tests.conftest import ROOT
@@ -173,5 +180,69 @@ def test_int8_opt_in_stays_exact_and_close_to_bf16(smollm2_dir, threads):
 def test_unknown_quant_mode_is_refused_by_name(smollm2_dir):
     from edgebuild.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="int4"):
-        LLM(smollm2_dir, options=RuntimeOptions(quant="int4"))
+    with pytest.raises(ConfigError, match="int3"):
+        LLM(smollm2_dir, options=RuntimeOptions(quant="int3"))
+
+
+# ---------------------------------------------------------------------- --quant int4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_matmul_equals_the_dequantized_reference(dtype):
+    """The packed int4 kernel computes x @ dequantize(codes).T; the codes are within half a
+    step of the weight (the rounding bound of min/max group quantization)."""
+    g = torch.Generator().manual_seed(3)
+    for out_f, in_f in [(96, 64), (576, 1536), (49152 // 64, 576)]:
+        lin = torch.nn.Linear(in_f, out_f, bias=True)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(out_f, in_f, generator=g) * 0.05)
+        lin = lin.to(dtype)
+        codes, sz = quantize_int4(lin.weight)
+        assert int(codes.min()) >= 0 and int(codes.max()) <= 15
+        deq = dequantize_int4(codes, sz)
+        step = sz[..., 0].transpose(0, 1).repeat_interleave(INT4_GROUP_SIZE, 1)  # [out, in]
+        assert bool(((deq - lin.weight.float()).abs() <= step / 2 + 1e-6).all())
+        x = torch.randn(5, in_f, generator=g).to(dtype)
+        ref = x.float() @ deq.T + lin.bias.detach().float()
+        got = PackedLinear([lin], quant="int4")(x)
+        assert got.dtype == dtype
+        tol = 1e-4 if dtype is torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_int4_rows_equal_single_row_calls(dtype, n_threads, threads):
+    """The int4 kernel is row-invariant (fp32 too, unlike MKL's fp32 GEMM): bit for bit."""
+    torch.set_num_threads(n_threads)
+    g = torch.Generator().manual_seed(4)
+    for out_f, in_f in [(960, 576), (576, 1536), (3072, 576)]:
+        lin = torch.nn.Linear(in_f, out_f, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(out_f, in_f, generator=g) * 0.05)
+        packed = PackedLinear([lin.to(dtype)], quant="int4")
+        x = torch.randn(MAX_INVARIANT_ROWS + 3, in_f, generator=g).to(dtype)
+        single = torch.cat([packed(x[i : i + 1]) for i in range(x.shape[0])])
+        for rows in (2, 8, MAX_INVARIANT_ROWS + 3):
+            assert torch.equal(packed(x[:rows]), single[:rows]), (out_f, in_f, rows)
+
+
+def test_int4_width_not_a_multiple_of_the_group_is_refused():
+    with pytest.raises(ValueError, match="int4.*multiple of the group size"):
+        PackedLinear([torch.nn.Linear(40, 8)], quant="int4")
+
+
+def test_int4_dspark_equals_int4_target_only(smollm2_dir, threads):
+    """`--quant int4` at this host's default fp32: DSpark equals int4 target-only bit for bit
+    (row-invariant kernel), and the int4 model's first token matches fp32's on every prompt."""
+    torch.set_num_threads(1)
+    q = RuntimeOptions(dtype=torch.float32, max_kv_rows=2048, quant="int4")
+    plain = LLM(smollm2_dir, options=q)
+    spec = LLM(smollm2_dir, speculative={**SPEC, "confidence_scheduling": False}, options=q)
+    ref = LLM(smollm2_dir, options=RuntimeOptions(dtype=torch.float32, max_kv_rows=2048))
+    ids = [plain.encode(p, chat=True) for p in _eval_prompts(2)]
+    params = SamplingParams(max_tokens=32)
+    want = plain.generate_ids(ids, params)
+    got = spec.generate_ids(ids, params)
+    fp32 = ref.generate_ids(ids, params)
+    for w, g, b in zip(want, got, fp32, strict=True):
+        assert g.output_ids == w.output_ids
+        assert w.output_ids[0] == b.output_ids[0]

@@ -65,10 +65,10 @@ def test_llm_takes_the_torch_record_as_it_comes(pair):
 
 def test_an_unsupported_quant_is_refused_before_loading(pair):
     target, _ = pair
-    with pytest.raises(ConfigError, match="--quant 'int4' is not supported"):
+    with pytest.raises(ConfigError, match="--quant 'int3' is not supported"):
         open_torch_runtime(
             resolve_model_path(target),
             None,
-            dataclasses.replace(OPTIONS, quant="int4"),
+            dataclasses.replace(OPTIONS, quant="int3"),
             WeightSource(target),
         )

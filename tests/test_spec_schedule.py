@@ -204,3 +204,45 @@ def test_server_exports_the_schedule_in_metrics(smollm2_dir):
         next(ln for ln in text.splitlines() if ln.startswith("edgellm_spec_decode_scheduled_steps_total")).split()[-1]
     )  # fmt: skip
     assert scheduled >= 1
+
+
+# ---------------------------------------------------------------------- batch 1 (the default)
+def batch1_costs(decode_ms: float, per_row_ms: float, draft_ms: float) -> StepCosts:
+    """Batch-1 costs: verify of w rows = decode + per_row * (w - 1), one draft pass."""
+    widths = (1, 2, 3, 5, 8)
+    verify = [[(decode_ms + per_row_ms * (w - 1)) * 1e-3 for w in widths]]
+    return StepCosts((1,), widths, verify, [0.0], [[0.0] + [draft_ms * 1e-3] * 4])
+
+
+@pytest.mark.parametrize(
+    ("decode_ms", "per_row_ms", "draft_ms", "want"),
+    [
+        # k=0: 1/10 = .100; k=1: 1.8/17 = .106; k=2: 2.4/20 = .120; k=3: 2.8/23 = .1217;
+        # k=4: 3.0/26 = .1154 -> 3
+        (10.0, 3.0, 4.0, 3),
+        # every verify row costs a decode: k=1: 1.8/24 = .075 < .100 -> no draft
+        (10.0, 10.0, 4.0, 0),
+        # rows nearly free, draft dear: k=1 1.8/20.1 = .0896, k=4: 3.0/20.4 = .147,
+        # k=5: 3.1/20.5 = .1512, k=6: 3.15/20.6 = .1529, k=7: 3.175/20.7 = .1534 -> 7
+        (10.0, 0.1, 10.0, 7),
+        # the draft pass alone costs a decode: k=3: 2.8/(10+13) = .1217 > .100 ... k=2:
+        # 2.4/(10+12) = .109; k=3 .1217; k=4: 3.0/(10+14) = .125; k=5: 3.1/25 = .124 -> 4
+        (10.0, 1.0, 10.0, 4),
+    ],
+)
+def test_batch1_choice_matches_hand_computed_rate(decode_ms, per_row_ms, draft_ms, want):
+    """At batch 1 (no margin) the plan verifies the k of the highest (1 + sum_{i<k} P_i) /
+    (draft + verify(k + 1)) seconds, k = 0 meaning a plain decode step without a draft."""
+    profile = [0.8, 0.6, 0.4, 0.2, 0.1, 0.05, 0.025]
+    sch = ConfidenceScheduler(batch1_costs(decode_ms, per_row_ms, draft_ms), 7)
+    sch.mean_profile = list(profile)
+    assert sch.plan(["r"], [7]).lengths == [want]
+    assert sch.stats.skipped_drafts == (1 if want == 0 else 0)
+
+
+def test_speculative_config_schedules_by_default_and_false_forces_fixed_lengths(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    base = {"method": "dspark", "model": str(tmp_path), "num_speculative_tokens": 3}
+    assert SpeculativeConfig.parse(base).confidence_scheduling is True
+    off = SpeculativeConfig.parse({**base, "confidence_scheduling": False})
+    assert off.confidence_scheduling is False

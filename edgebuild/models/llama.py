@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
 
         The modules and ``state_dict`` keep the checkpoint's names and tensors; the packed
         copies (ops/linear.py) are used by eager forwards only, never under export. Costs one
-        extra copy of the linear weights in memory. ``quant="int8"``: weight-only int8
+        extra copy of the linear weights in memory. ``quant="int8"`` / ``"int4"``: weight-only
         (:class:`edgebuild.ops.linear.PackedLinear`), opt-in. Returns self.
         """
         for layer in self.model.layers:

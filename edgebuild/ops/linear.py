@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_INVARIANT_ROWS = 64  # rows per oneDNN call (checked row-invariant at 1 and 2 threads)
-QUANT_MODES = ("int8",)  # weight-only modes of PackedLinear (opt-in: `--quant int8`)
+QUANT_MODES = ("int8", "int4")  # weight-only modes of PackedLinear (opt-in: `--quant ...`)
+INT4_GROUP_SIZE = 32  # input features per int4 scale / zero (onnxruntime-genai's block size)
 
 
 @functools.cache
@@ -57,14 +58,19 @@ class PackedLinear:
         quant: None (the weights as they are) or ``"int8"``: weight-only symmetric int8 with
             one scale per output feature (``scale = max|w| / 127``, ``w_q = round(w / scale)``),
             run by ``torch.ops.aten._weight_int8pack_mm`` (half the bytes of bf16; outputs
-            differ from the unquantized model's, so it is opt-in).
+            differ from the unquantized model's, so it is opt-in); or ``"int4"``: weight-only
+            asymmetric 4-bit, one scale and zero per ``INT4_GROUP_SIZE`` input features of each
+            output feature (:func:`quantize_int4`), run by
+            ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a quarter of bf16's bytes; its result
+            for a row does not depend on the rows beside it, so DSpark equals int4 target-only).
 
     Calling it maps ``x [..., in]`` to ``[..., sum(out_i)]`` in x's dtype, the concatenation
     of each module's output, in order (equal within rounding to ``torch.cat([m(x) ...])``).
     Holds its own copy of the weights (the modules keep theirs for state_dict and export).
 
     Raises:
-        ValueError: modules whose input width or dtype differ, or an unknown ``quant``.
+        ValueError: modules whose input width or dtype differ, an unknown ``quant``, or
+            ``"int4"`` with an input width that is not a multiple of ``INT4_GROUP_SIZE``.
     """
 
     def __init__(self, linears: list[nn.Linear], quant: str | None = None):
@@ -97,6 +103,11 @@ class PackedLinear:
             q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
             self.weight, self.scales, self.packed = q.to(torch.int8).contiguous(), scale, True
             return
+        if quant == "int4":
+            codes, self.scales = quantize_int4(fused)
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self.packed = True
+            return
         self.packed = packing_available(fused.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(fused, 1) if self.packed else fused
         # fp32 is not row-invariant either way: one row is faster through F.linear (MKL gemv)
@@ -127,7 +138,52 @@ class PackedLinear:
         if self.quant == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales.to(x2.dtype))
             return y if self.bias is None else y + self.bias.to(y.dtype)
+        if self.quant == "int4":
+            sz = self.scales if self.scales.dtype == x2.dtype else self.scales.to(x2.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, INT4_GROUP_SIZE, sz)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         return torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise 4-bit codes of ``weight [out, in]`` (any float dtype).
+
+    Per output feature and group of ``group_size`` input features: ``scale = (max - min) / 15``,
+    ``code = round((w - min) / scale)`` in 0..15, ``zero = min + 8 * scale``; the weight the
+    kernel uses is ``(code - 8) * scale + zero`` (:func:`dequantize_int4`).
+
+    Returns:
+        (codes int32 [out, in], scale_and_zero fp32 [in / group_size, out, 2]), the layout of
+        ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` / ``_weight_int4pack_mm_for_cpu``.
+
+    Raises:
+        ValueError: ``in`` is not a multiple of ``group_size`` (names the width and the fix).
+    """
+    out, k = weight.shape
+    if k % group_size:
+        raise ValueError(
+            f"--quant int4: input width {k} is not a multiple of the group size {group_size}; "
+            "use --quant int8 (or no --quant) for this model"
+        )
+    w = weight.detach().float().reshape(out, k // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    codes = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    zero = lo + 8.0 * scale
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+    return codes.reshape(out, k), sz
+
+
+def dequantize_int4(
+    codes: torch.Tensor, scale_and_zero: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> torch.Tensor:
+    """fp32 [out, in] weight of :func:`quantize_int4`'s ``codes`` and ``scale_and_zero``."""
+    out, k = codes.shape
+    sz = scale_and_zero.transpose(0, 1)  # [out, groups, 2]
+    c = codes.float().reshape(out, k // group_size, group_size)
+    return ((c - 8.0) * sz[..., :1] + sz[..., 1:]).reshape(out, k)
 
 
 def use_packed(packed: PackedLinear | None) -> bool:

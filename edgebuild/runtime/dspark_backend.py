@@ -66,7 +66,7 @@ class TorchDraft:
         max_kv_rows: context-cache capacity in rows across sequences.
         page_size: rows per page.
         top_k: candidates per position for the Markov walk (0 = full vocabulary).
-        quant: None or ``"int8"``: how the linears are packed (as the target's).
+        quant: None, ``"int8"`` or ``"int4"``: how the linears are packed (as the target's).
         ring: a windowed draft's per-request ring (module docstring); default: when its config
             has a ``sliding_window``. False keeps a full paged cache (the reference the ring is
             tested against: same window, every row kept).

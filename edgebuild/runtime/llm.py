@@ -73,8 +73,9 @@ class RuntimeOptions:
     dtype: compute dtype of the CPU models; None = bf16 on a CPU with native bf16, else fp32
         (:func:`edgebuild.runtime.cpu.default_compute_dtype`).
     max_images: most images in one prompt (vision-language targets).
-    quant: None, or ``"int8"``: weight-only int8 linears on the CPU (opt-in: faster, but the
-        outputs are the int8 model's, not the checkpoint's; DSpark still equals target-only).
+    quant: None, ``"int8"`` or ``"int4"``: weight-only int8 (per channel) or int4 (groups of
+        32) linears on the CPU (opt-in: faster, but the outputs are the quantized model's, not
+        the checkpoint's; DSpark still equals target-only).
     prefill: chunked / batched prefill and prefix caching (:mod:`edgebuild.runtime.prefill`).
     max_draft_kv_rows: context rows of the DSpark draft's own paged cache (a full-attention
         draft holds one row per target position); None = max_kv_rows. Admission and

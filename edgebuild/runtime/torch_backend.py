@@ -74,7 +74,7 @@ class TorchTarget:
         page_size: rows per page.
         pack: pack the model's linears once for the CPU (:meth:`LlamaForCausalLM.pack_for_cpu`;
             fused, faster, row-invariant).
-        quant: None or ``"int8"`` (weight-only int8 packing, opt-in; ops/linear.py).
+        quant: None, ``"int8"`` or ``"int4"`` (weight-only packing, opt-in; ops/linear.py).
     """
 
     def __init__(
