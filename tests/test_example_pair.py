@@ -29,9 +29,8 @@ EVAL_PROMPTS = ROOT / "tools" / "train_dspark" / "data" / "eval_prompts.jsonl"
 
 def _spec(n: int = 7) -> SpeculativeConfig:
     return SpeculativeConfig.parse(
-        {"method": "dspark", "model": str(DRAFT), "num_speculative_tokens": n,
-         "confidence_scheduling": False}  # every step drafts: the pair's acceptance
-    )  # fmt: skip
+        {"method": "dspark", "model": str(DRAFT), "num_speculative_tokens": n}
+    )
 
 
 def _held_out(k: int) -> list[str]:
