@@ -355,6 +355,10 @@ def build(source, draft, revision, out, cache_dir, onnx_only, portable, builder,
         raise ConfigError(
             "give -o BUNDLE (a folder) or --cache-dir DIR (the engine cache), not both"
         )
+    if out is None:
+        from edgebuild.bundle.cache import EngineCache
+
+        EngineCache(cache_dir).ensure_writable()  # before resolving or building anything
     recipe, sources = _build_recipe(source, draft, revision, flags)
     options = BuildOptions(
         onnx_only=onnx_only,
@@ -486,7 +490,11 @@ def _when(ts: float | None) -> str:
 
 def _entry_sources(entry: dict) -> str:
     out = []
-    for role, ident in sorted(((entry.get("material") or {}).get("sources") or {}).items()):
+    material = entry.get("material")
+    sources = material.get("sources") if isinstance(material, dict) else None
+    for role, ident in sorted((sources if isinstance(sources, dict) else {}).items()):
+        if not isinstance(ident, dict):
+            continue
         if "repo_id" in ident:
             out.append(f"{role}={ident['repo_id']}@{str(ident.get('commit'))[:12]}")
         else:
@@ -537,11 +545,32 @@ def cache_verify(keys: tuple[str, ...], cache_dir: Path | None) -> None:
             click.secho(f"bad: {key}: {exc}", fg="red", err=True)
     if bad:
         click.secho(
-            f"error: {bad} entries do not verify; `edgebuild cache prune` or rebuild",
+            f"error: {bad} entries do not verify; `edgebuild cache remove KEY` deletes one "
+            "(the next build or start rebuilds it)",
             fg="red",
             err=True,
         )
         sys.exit(2)
+
+
+@cache.command("remove")
+@click.argument("keys", nargs=-1, required=True)
+@CACHE_DIR_OPTION
+@_friendly
+def cache_remove(keys: tuple[str, ...], cache_dir: Path | None) -> None:
+    """Delete the entries KEYS (e.g. ones `cache verify` found bad); the next build rebuilds."""
+    from edgebuild.bundle.cache import EngineCache
+    from edgebuild.errors import ConfigError
+
+    store = EngineCache(cache_dir)
+    known = {e["key"] for e in store.entries()}
+    missing = [k for k in keys if k not in known]
+    if missing:
+        raise ConfigError(f"no cache entry {', '.join(missing)} in {store.root} (`cache list`)")
+    for key in keys:
+        if not store._try_remove(key):
+            raise ConfigError(f"entry {key} is in use (a build holds its lock); try again later")
+        click.echo(f"removed {key}")
 
 
 @cache.command("prune")

@@ -137,6 +137,7 @@ def prepare_serve(config: ServeConfig, probe: HostProbe | None = None):
     spec = None
     if config.speculative_config is not None:
         spec = SpeculativeConfig.parse(config.speculative_config)
+        _check_block(spec)
     if config.backend == "onnxruntime":
         raise ConfigError(
             f"--backend onnxruntime serves a bundle's ONNX graphs; {config.model} is a "
@@ -157,6 +158,23 @@ def prepare_serve(config: ServeConfig, probe: HostProbe | None = None):
         return lambda startup: plan
     recipe = serve_build_recipe(config, target, spec, host.device)
     return lambda startup: _engine_plan(config, recipe, target, spec, startup)
+
+
+def _check_block(spec) -> None:
+    """``num_speculative_tokens`` within the draft's ``block_size``, before the server listens.
+
+    Raises:
+        ConfigError: it exceeds the block (names the range).
+    """
+    from edgebuild.checkpoint.dspark_config import read_dspark_field
+    from edgebuild.speculative.config import read_draft_config
+
+    path = str(Path(spec.model) / "config.json")
+    try:
+        block, _ = read_dspark_field(read_draft_config(spec.model), "block_size", int, path)
+    except Exception:  # noqa: BLE001 - the loader reports an unreadable draft config later
+        return
+    spec.check_block(block, path)
 
 
 def _torch_plan(target: ModelSource, spec, reason: str) -> ServePlan:

@@ -422,3 +422,63 @@ def test_health_says_building_while_a_slow_build_runs(pair, tmp_path, as_thor, m
         server.should_exit = True
         thread.join(60)
         sock.close()
+
+
+@pytest.mark.parametrize(
+    "record",
+    ["[]", '"x"', '{"key": "K", "stamps": {"manifest.json": 5}}', '{"key": "K", "stamps": {}, '
+     '"last_used": "yesterday"}'],
+    ids=["list", "string", "int-stamp", "str-last-used"],
+)  # fmt: skip
+def test_a_malformed_entry_record_is_refused_listed_and_rebuilt(pair, tmp_path, builds, record):
+    cache = EngineCache(tmp_path / "cache")
+    first = _cached(pair, cache)
+    cache.record_path(first.key).write_text(record.replace('"K"', json.dumps(first.key)))
+    assert cache.check(first.key), "a malformed record must not be a hit"
+    run = CliRunner()
+    listed = run.invoke(main, ["cache", "list", "--cache-dir", str(cache.root)])
+    assert listed.exit_code == 0, listed.output
+    dry = run.invoke(main, ["cache", "prune", "--cache-dir", str(cache.root), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    again = _cached(pair, cache)
+    assert not again.hit and len(builds) == 2 and cache.check(first.key) == []
+
+
+def test_a_file_added_at_the_bundle_top_level_is_refused(pair, tmp_path, builds):
+    cache = EngineCache(tmp_path / "cache")
+    first = _cached(pair, cache)
+    (first.path / "added_tokens.json").write_text('{"<hack>": 49152}')
+    assert any("added_tokens.json: not listed" in p for p in cache.check(first.key))
+    bad = CliRunner().invoke(main, ["verify", str(first.path), "--no-sources"])
+    assert bad.exit_code == 2 and "added_tokens.json" in bad.output, bad.output
+    assert not _cached(pair, cache).hit
+
+
+def test_cache_remove_deletes_a_bad_entry_so_the_next_build_rebuilds(pair, tmp_path, builds):
+    cache = EngineCache(tmp_path / "cache")
+    first = _cached(pair, cache)
+    run = CliRunner()
+    gone = run.invoke(main, ["cache", "remove", "nope", "--cache-dir", str(cache.root)])
+    assert gone.exit_code == 2 and "no cache entry nope" in gone.output
+    ok = run.invoke(main, ["cache", "remove", first.key, "--cache-dir", str(cache.root)])
+    assert ok.exit_code == 0 and not first.path.exists(), ok.output
+    assert not _cached(pair, cache).hit and len(builds) == 2
+
+
+@pytest.mark.parametrize("flag, value", [("--max-size", "inf"), ("--max-size", "-5G"),
+                                         ("--older-than", "-1d"), ("--older-than", "nan")])  # fmt: skip
+def test_prune_refuses_negative_or_non_finite_limits(tmp_path, flag, value):
+    r = CliRunner().invoke(main, ["cache", "prune", "--cache-dir", str(tmp_path), flag, value])
+    assert r.exit_code == 2 and f"'{value}' is not a" in r.output, r.output
+
+
+def test_a_cache_dir_that_is_a_file_is_refused_before_building(pair, tmp_path, builds):
+    target, draft = pair
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = CliRunner().invoke(
+        main,
+        ["build", str(target), "--draft", str(draft), "--onnx-only", "--cache-dir", str(afile)],
+    )
+    assert r.exit_code == 2 and "is not a directory" in r.output, r.output
+    assert builds == []

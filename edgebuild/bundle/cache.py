@@ -35,6 +35,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -203,6 +204,23 @@ class EngineCache:
     def __init__(self, root: Path | None = None):
         self.root = Path(root).expanduser() if root is not None else default_cache_dir()
 
+    def ensure_writable(self) -> None:
+        """Create the cache directory if needed and check it can be written.
+
+        Raises:
+            ConfigError: the path is a file, or cannot be created or written (names the fix).
+        """
+        fix = "give --cache-dir (or $EDGEBUILD_CACHE_DIR) a directory this user can write"
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"engine cache {self.root} is not a directory; {fix}")
+        try:
+            (self.root / "locks").mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"engine cache {self.root} is not writable ({exc}); {fix}") from None
+
     def bundle_path(self, key: str) -> Path:
         return self.root / "bundles" / key
 
@@ -248,9 +266,14 @@ class EngineCache:
             manifest = read_manifest(path)
         except (OSError, ValueError, BundleError) as exc:
             return [f"unreadable entry: {exc}"]
+        if not isinstance(record, dict) or not isinstance(record.get("stamps"), dict):
+            return [f"{record_path} is not an entry record (a JSON object with stamps)"]
         if record.get("key") != key:
             return [f"{record_path} belongs to key {record.get('key')!r}"]
-        return _stamp_problems(path, manifest, record.get("stamps") or {})
+        try:
+            return _stamp_problems(path, manifest, record["stamps"])
+        except (TypeError, ValueError) as exc:
+            return [f"{record_path}: malformed stamps ({exc})"]
 
     def commit(self, key: str, material: dict, build_s: float) -> None:
         """Write the entry record of a freshly built bundle (stamps of every file)."""
@@ -301,7 +324,13 @@ class EngineCache:
                 record = json.loads(self.record_path(path.name).read_text(encoding="utf-8"))
                 status = "ok"
             except (OSError, ValueError):
-                record, status = {"size": _tree_size(path)}, "incomplete (no record)"
+                record, status = {}, "incomplete (no record)"
+            if not isinstance(record, dict):
+                record, status = {}, "incomplete (malformed record)"
+            for field in ("size", "last_used", "created", "build_s"):
+                if not isinstance(record.get(field, 0), (int, float)):
+                    record, status = {}, "incomplete (malformed record)"
+            record.setdefault("size", _tree_size(path))
             out.append({**record, "key": path.name, "path": str(path), "status": status})
         return out
 
@@ -323,6 +352,7 @@ class EngineCache:
             whatever ``build`` raises (the entry is then absent: nothing is left as a hit).
         """
         notify = on_event or (lambda kind, info: None)
+        self.ensure_writable()
         with self.lock(key, on_wait=lambda holder: notify("waiting", {"holder": holder})):
             problems = self.check(key)
             if not problems:
@@ -452,9 +482,12 @@ def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
-        return int(float(num) * units[unit])
+        value = float(num) * units[unit]
     except ValueError:
-        raise ConfigError(f"{text!r} is not a size (e.g. 50G, 512M)") from None
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{text!r} is not a size (e.g. 50G, 512M)")
+    return int(value)
 
 
 def parse_age(text: str) -> float:
@@ -467,9 +500,12 @@ def parse_age(text: str) -> float:
     t = text.strip().lower()
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "s")
     try:
-        return float(num) * units[unit]
+        value = float(num) * units[unit]
     except ValueError:
-        raise ConfigError(f"{text!r} is not a duration (e.g. 30d, 12h)") from None
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{text!r} is not a duration (e.g. 30d, 12h)")
+    return value
 
 
 def build_cached(

@@ -162,23 +162,25 @@ def _check_files(bundle: Path, manifest: dict) -> list[str]:
 
 
 def unlisted_files(bundle: Path, manifest: dict, files: dict) -> list[str]:
-    """Files in a role folder (``base/``, ``draft/``, ``visual/``) the manifest does not list.
+    """Files the manifest does not list: in a role folder (``base/``, ``draft/``, ``visual/``)
+    or at the top level (where the tokenizer files are; hidden files aside).
 
     Nothing writes into a bundle after its manifest, so such a file was added by hand (e.g. an
-    engine copied from another build) and would be loaded unchecked.
+    engine copied from another build, an ``added_tokens.json``) and would be loaded unchecked.
     """
     problems = []
+    found = [p for p in bundle.iterdir() if p.is_file() and not p.name.startswith(".")]
     for role in sorted({*ROLES, *(manifest.get("roles") or {})}):
         folder = bundle / role
-        if not folder.is_dir():
-            continue
-        for path in sorted(p for p in folder.rglob("*") if not p.is_dir()):
-            rel = path.relative_to(bundle).as_posix()
-            if rel not in files:
-                problems.append(
-                    f"{rel}: not listed in {MANIFEST_NAME} (added after the build); remove it "
-                    "or rebuild the bundle"
-                )
+        if folder.is_dir():
+            found += [p for p in folder.rglob("*") if not p.is_dir()]
+    for path in sorted(found):
+        rel = path.relative_to(bundle).as_posix()
+        if rel != MANIFEST_NAME and rel not in files:
+            problems.append(
+                f"{rel}: not listed in {MANIFEST_NAME} (added after the build); remove it "
+                "or rebuild the bundle"
+            )
     return problems
 
 

@@ -25,6 +25,7 @@ not a checkpoint).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -33,7 +34,12 @@ from pathlib import Path
 from edgebuild.errors import CheckpointError
 
 # the Hub's repo id rule (huggingface_hub.utils.validate_repo_id): org/name, no "--" or ".."
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]{0,95}/[\w.\-]{1,96}$")
+log = logging.getLogger("edgebuild.checkpoint")
+# huggingface_hub's validate_repo_id: ASCII letters, digits, "-", "_", "."; no leading or
+# trailing "-" / "."; no "--" or ".."; not ending in ".git"
+_REPO_ID = re.compile(
+    r"^[A-Za-z0-9](?:[A-Za-z0-9_.\-]{0,94}[A-Za-z0-9_])?/[A-Za-z0-9_](?:[A-Za-z0-9_.\-]{0,94}[A-Za-z0-9_])?$"
+)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 #: small files edgebuild reads from a checkpoint (exact top-level names)
@@ -97,12 +103,16 @@ def split_ref(ref: str | Path, revision: str | None = None) -> tuple[str, str | 
     not both be given).
 
     Raises:
-        CheckpointError: two different revisions.
+        CheckpointError: two different revisions, or an empty one (``org/name@``).
     """
     text = str(ref)
     name, at, rev = text.rpartition("@") if "@" in text and "/" in text else (text, "", "")
     if not at:
         return text, revision
+    if not rev:
+        raise CheckpointError(
+            f"{text}: empty revision after '@' (write {name}@main, or drop the '@')"
+        )
     if revision is not None and revision != rev:
         raise CheckpointError(
             f"{text}: the reference names revision {rev!r} but --revision is {revision!r}; "
@@ -113,7 +123,12 @@ def split_ref(ref: str | Path, revision: str | None = None) -> tuple[str, str | 
 
 def is_hub_id(text: str) -> bool:
     """True when ``text`` has the form of a Hub model id (``org/name``)."""
-    return bool(_REPO_ID.match(text)) and "--" not in text and ".." not in text
+    return (
+        bool(_REPO_ID.match(text))
+        and "--" not in text
+        and ".." not in text
+        and not text.endswith(".git")
+    )
 
 
 def hub_cache_dir() -> Path:
@@ -193,10 +208,45 @@ def _resolve_hub(repo_id: str, revision: str, ref: str, what: str) -> ModelSourc
                 )
             )
     except Exception as exc:  # noqa: BLE001 - mapped to a message naming the fix, or re-raised
-        raise _hub_error(exc, repo_id, revision, cache, offline, what) from None
+        folder = None if offline or not _unreachable(exc) else _cached_snapshot(repo_id, revision)
+        if folder is None:
+            raise _hub_error(exc, repo_id, revision, cache, offline, what) from None
+        log.warning(
+            "the Hub cannot be reached (%s: %s); using the cached snapshot %s of %s@%s",
+            type(exc).__name__, exc, folder.name, repo_id, revision,
+        )  # fmt: skip
     source = ModelSource(folder, ref, repo_id, revision, folder.name)
     _check_snapshot(source, cache)
     return source
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A network failure (no route, DNS, timeout), not an answer of the Hub."""
+    import httpx
+
+    if isinstance(exc, (httpx.TransportError, ConnectionError, TimeoutError)):
+        return True
+    try:
+        import requests
+
+        return isinstance(exc, (requests.ConnectionError, requests.Timeout))
+    except ImportError:
+        return False
+
+
+def _cached_snapshot(repo_id: str, revision: str) -> Path | None:
+    """The snapshot of ``repo_id@revision`` already in the Hub cache (as huggingface_hub
+    resolves it offline), or None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id, revision=revision, cache_dir=str(hub_cache_dir()), local_files_only=True
+            )
+        )
+    except Exception:  # noqa: BLE001 - not cached: the caller reports the network error
+        return None
 
 
 def _weight_files(
