@@ -305,3 +305,26 @@ def test_the_seed_line_serves_the_pair_by_id_with_dspark(hub_cache, tmp_path):
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "backend: torch (no engines:" in text and "tensorrt Python module" in text
+
+
+def test_no_network_with_the_model_cached_uses_the_snapshot(hub_cache, monkeypatch, caplog):
+    """HF_HUB_OFFLINE unset and the Hub unreachable (a closed port): the cached snapshot is
+    used, as huggingface_hub itself does, with a warning; never a traceback."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache["cache"]))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hc, "ENDPOINT", "http://127.0.0.1:9")
+    with caplog.at_level("WARNING", logger="edgebuild"):
+        src = resolve_model_ref(IDS["draft"])
+    assert src.commit == hub_cache["commits"]["draft"]
+    assert "cannot be reached" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("ref", ["org/名前", "org/name.", "org/-name", "org/x.git", "org/name@"])
+def test_malformed_ids_are_refused_with_exit_2(ref, tmp_path):
+    code, out = _cli_error(["inspect", ref], {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert code == 2 and "Traceback" not in out, out
+    assert "not a Hugging Face Hub id" in out or "empty revision" in out, out
