@@ -472,40 +472,37 @@ def _stamp_problems(path: Path, manifest: dict, stamps: dict) -> list[str]:
     return problems
 
 
-def parse_size(text: str) -> int:
-    """``"50G"`` / ``"512M"`` / ``"1024"`` -> bytes (binary units).
-
-    Raises:
-        ConfigError: not a size.
-    """
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+def _with_unit(text: str, t: str, units: dict, default: str, what: str) -> float:
+    """``t`` (normalised ``text``) as a number times its unit suffix; finite and >= 0."""
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, default)
     try:
         value = float(num) * units[unit]
     except ValueError:
         value = -1.0
     if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{text!r} is not a size (e.g. 50G, 512M)")
-    return int(value)
+        raise ConfigError(f"{text!r} is not a {what}")
+    return value
+
+
+def parse_size(text: str) -> int:
+    """``"50G"`` / ``"512M"`` / ``"1024"`` -> bytes (binary units).
+
+    Raises:
+        ConfigError: not a finite size >= 0.
+    """
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    return int(_with_unit(text, t, units, "", "size (e.g. 50G, 512M)"))
 
 
 def parse_age(text: str) -> float:
     """``"30d"`` / ``"12h"`` / ``"90m"`` / ``"3600"`` -> seconds.
 
     Raises:
-        ConfigError: not a duration.
+        ConfigError: not a finite duration >= 0.
     """
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-    t = text.strip().lower()
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "s")
-    try:
-        value = float(num) * units[unit]
-    except ValueError:
-        value = -1.0
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{text!r} is not a duration (e.g. 30d, 12h)")
-    return value
+    return _with_unit(text, text.strip().lower(), units, "s", "duration (e.g. 30d, 12h)")
 
 
 def build_cached(
