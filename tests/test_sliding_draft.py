@@ -155,7 +155,10 @@ class PerfectRing:
         return out
 
 
-def test_greedy_dspark_with_a_windowed_draft_equals_target_only(target, tmp_path):
+def check_greedy_equals_target_only(target, make_draft, lengths=(1, 3)) -> None:
+    """Greedy DSpark with ``make_draft()``'s draft (random weights: rejections happen)
+    and with a perfect one (its ring does all its work) equals target-only past 3W (prompts
+    + 40 tokens); everything is accepted with the perfect draft; the rings are given back."""
     model = LlamaForCausalLM.from_source(WeightSource(target))
     vocab = ModelConfig.from_file(target).vocab_size
     g = torch.Generator().manual_seed(3)
@@ -163,17 +166,22 @@ def test_greedy_dspark_with_a_windowed_draft_equals_target_only(target, tmp_path
     params = SamplingParams(max_tokens=40)
     ref = target_only(model, prompts, params)
     want = [s.output_ids for s in ref]
-    draft = TorchDraft(load_model(windowed_draft(tmp_path / "d", target), target), 4096, PAGE)
-    for n in (1, 3):
+    draft = make_draft()
+    for n in lengths:
         got = speculative(model, draft, prompts, params, n)
         assert [s.output_ids for s in got] == want
+        assert any(a < 1.0 for st in got for a in st.metrics.acceptance_by_position)
     full = [p + s.output_ids for p, s in zip(prompts, ref, strict=True)]
-    perfect = PerfectRing(draft, vocab)
-    got = speculative(model, perfect, prompts, params, 3, full=full)
+    got = speculative(model, PerfectRing(draft, vocab), prompts, params, 3, full=full)
     assert [s.output_ids for s in got] == want
     for st in got:  # everything accepted
         assert all(a == 1.0 for a in st.metrics.acceptance_by_position)
     assert draft.allocator.free_pages == draft.allocator.num_pages  # rings given back
+
+
+def test_greedy_dspark_with_a_windowed_draft_equals_target_only(target, tmp_path):
+    model = load_model(windowed_draft(tmp_path / "d", target), target)
+    check_greedy_equals_target_only(target, lambda: TorchDraft(model, 4096, PAGE))
 
 
 # ---------------------------------------------------------------------- the TensorRT draft
@@ -268,25 +276,9 @@ def test_the_trt_drafts_ring_pages_and_buffers_stay_the_same_from_context_1k_to_
 
 
 def test_greedy_dspark_with_the_trt_ring_draft_equals_target_only(target, tmp_path):
-    """Past 3W (prompts + 40 tokens), random and perfect drafts: rejections never leave a
-    stale row in the ring, and everything is accepted with a perfect draft."""
-    model = LlamaForCausalLM.from_source(WeightSource(target))
-    vocab = ModelConfig.from_file(target).vocab_size
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (5, 19, 11)]
-    params = SamplingParams(max_tokens=40)
-    ref = target_only(model, prompts, params)
-    want = [s.output_ids for s in ref]
-    draft, _, _ = trt_ring_draft(load_model(windowed_draft(tmp_path / "d", target), target))
-    got = speculative(model, draft, prompts, params, 3)
-    assert [s.output_ids for s in got] == want
-    assert any(a < 1.0 for st in got for a in st.metrics.acceptance_by_position)  # rejections
-    full = [p + s.output_ids for p, s in zip(prompts, ref, strict=True)]
-    got = speculative(model, PerfectRing(draft, vocab), prompts, params, 3, full=full)
-    assert [s.output_ids for s in got] == want
-    for st in got:
-        assert all(a == 1.0 for a in st.metrics.acceptance_by_position)
-    assert draft.allocator.free_pages == draft.allocator.num_pages  # rings given back
+    """Rejections never leave a stale row in the TensorRT draft's ring either."""
+    model = load_model(windowed_draft(tmp_path / "d", target), target)
+    check_greedy_equals_target_only(target, lambda: trt_ring_draft(model)[0], lengths=(3,))
 
 
 def test_the_exported_draft_graphs_carry_the_window(windowed_bundle, tmp_path):
