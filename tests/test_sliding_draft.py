@@ -214,6 +214,11 @@ def trt_ring_draft(model: DSparkDraft, max_batch=2, rope_rows=256):
     return draft, plan, manifest
 
 
+class FailingRunner:
+    def execute(self, profile, bindings, graph_key=None):
+        raise RuntimeError("engine failed")
+
+
 def _ring_rows(draft, seq, layer: int) -> torch.Tensor:
     """K/V [2, H, W, D] of the last W context positions, read from the ring's pages."""
     pool = draft.buffers.pool(f"kv_cache_{layer}")
@@ -238,6 +243,13 @@ def test_the_trt_drafts_ring_equals_a_full_cache_with_the_window_mask_up_to_3w(t
         anchors = [3 + step, 40 + step]
         for d, ss in ((draft, seqs), (full, refs)):
             d.update_context(ss, [f.clone() for f in feats])
+        if step == 5:  # a failed engine call after the wrap: the ring is as it was before
+            before = [(list(s.pages), s.base, s.length, s.total) for s in seqs]
+            real, draft.runner = draft.runner, FailingRunner()
+            with pytest.raises(RuntimeError, match="engine failed"):
+                _proposals(draft, seqs, anchors)
+            draft.runner = real
+            assert [(list(s.pages), s.base, s.length, s.total) for s in seqs] == before
         got, want = _proposals(draft, seqs, anchors), _proposals(full, refs, anchors)
         for pg, pw in zip(got, want, strict=True):
             assert pg.tokens == pw.tokens
