@@ -14,7 +14,12 @@
 #   3. kernel timings on model-sized shapes (TIME lines) and the decode-attention bandwidth
 #      microbenchmark (BANDWIDTH lines: GB/s and % of the HBM roofline, > 1 GB KV pools);
 #   4. only with --engines and an importable `tensorrt`: the TensorRT engine build and runtime
-#      backend checks (scripts/gpu_check_engines.py, ~8 min on its own: not in the budget).
+#      backend checks (scripts/gpu_check_engines.py, ~8 min on its own: not in the budget);
+#   5. only with --refit and an importable `tensorrt` or `tensorrt_rtx`: the draft engine
+#      built without the target's head / embedding (weight-stripped, refittable), refitted
+#      from the bundle's base/draft.onnx and compared with the fully embedded engine
+#      (scripts/gpu_check_refit.py, issue 27; a few minutes: not in the budget). The dry run
+#      runs its --plan (the steps, and the builder API they need).
 # --dry-run runs everything except the device parts on the CPU: argument handling, the tool
 # and header lookup, the step plan and its budget, and steps 2-3 on the real kernel sources
 # built with g++ on the CUDA CPU emulation (plugins/tests/cuda_emulation.h; quick correctness
@@ -25,7 +30,7 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 Usage: scripts/gpu_check.sh [--dry-run] [--budget SECONDS] [--no-timing] [--peak-gbps GBPS]
-                            [--engines [--recipe RECIPE]] [--build-dir DIR]
+                            [--engines [--recipe RECIPE]] [--refit] [--build-dir DIR]
 
 Builds the edgebuild plugins for this GPU, checks the CUDA kernels against the host build,
 times them and measures decode-attention bandwidth against the HBM roofline.
@@ -36,6 +41,8 @@ times them and measures decode-attention bandwidth against the HBM roofline.
                     and bus width; an H200 is ~4800)
   --engines         also run the TensorRT engine checks (needs `tensorrt`; ~8 more minutes)
   --recipe RECIPE   with --engines: also try `edgebuild build RECIPE`
+  --refit           also check a weight-stripped draft engine refitted from the shared
+                    head / embedding (needs tensorrt or tensorrt_rtx; a few more minutes)
   --build-dir DIR   build directory (default: build/gpu_check, build/gpu_check_dry)
 Log: ${OUT:-/tmp}/gpu_check.log
 EOF
@@ -46,6 +53,8 @@ BUILD=""
 RECIPE=""
 DRY=0
 ENGINES=0
+REFIT=0
+PYTHON=${PYTHON:-python3}
 TIMING=1
 BUDGET=480
 PEAK_ARGS=()
@@ -56,6 +65,7 @@ while [[ $# -gt 0 ]]; do
         --no-timing) TIMING=0; shift ;;
         --peak-gbps) PEAK_ARGS=(--peak-gbps "${2:?--peak-gbps needs a number}"); shift 2 ;;
         --engines) ENGINES=1; shift ;;
+        --refit) REFIT=1; shift ;;
         --recipe) RECIPE=${2:?--recipe needs a path}; shift 2 ;;
         --build-dir) BUILD=${2:?--build-dir needs a directory}; shift 2 ;;
         -h | --help) usage; exit 0 ;;
@@ -272,6 +282,23 @@ else
     else
         fail "gpu_check_engines (exit $?, $((SECONDS - start)) s): see FAIL lines above"
     fi
+fi
+
+section "weight-stripped draft engine refitted from the shared head / embedding"
+start=$SECONDS
+if [[ $DRY -eq 1 ]]; then
+    if "$PYTHON" "$ROOT/scripts/gpu_check_refit.py" --plan; then
+        echo "PASS refit plan ($((SECONDS - start)) s)"
+    else
+        fail "refit plan: see FAIL lines above"
+    fi
+elif [[ $REFIT -eq 0 ]]; then
+    skip "refit check: not asked for (--refit)"
+elif PYTHONUNBUFFERED=1 timeout 400 "$PYTHON" "$ROOT/scripts/gpu_check_refit.py" \
+    --work-dir "$BUILD"; then
+    echo "PASS gpu_check_refit ($((SECONDS - start)) s)"
+else
+    fail "gpu_check_refit (exit $?, $((SECONDS - start)) s): see FAIL lines above"
 fi
 
 section "summary"

@@ -137,3 +137,51 @@ def test_inspect_and_the_manifest_state_the_drafts_kv_bytes_per_token(pair, tmp_
     build_bundle(recipe, out, BuildOptions(onnx_only=True, progress=False))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dspark"]["kv_cache"] == {"attention": "full", "bytes_per_token": per_token}
+
+
+def test_the_serve_flag_sizes_the_drafts_cache_and_bad_values_name_it(pair, monkeypatch):
+    """--max-draft-kv-cache-capacity reaches RuntimeOptions.max_draft_kv_rows (whose effect
+    on the pool is the first test's); 0, a non-torch backend and a model without a draft are
+    refused naming the flag."""
+    from types import SimpleNamespace
+
+    import edgebuild.deploy
+    from edgebuild.errors import ConfigError
+    from edgebuild.serve import cli
+    from edgebuild.serve import config as cfg
+
+    target, draft = pair
+    seen = {}
+
+    def fake_loader(config, probe=None):
+        seen["config"] = config
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(edgebuild.deploy, "serve_loader", fake_loader)
+    result = CliRunner().invoke(cli.main, [str(target), "--max-draft-kv-cache-capacity", "96"])
+    assert result.exit_code == 2 and seen["config"].max_draft_kv_cache_capacity == 96
+    assert "--max-draft-kv-cache-capacity" in CliRunner().invoke(cli.main, ["--help"]).output
+    CliRunner().invoke(cli.main, [str(target)])
+    assert seen["config"].max_draft_kv_cache_capacity is None  # default: the target's rows
+    with pytest.raises(ConfigError, match="--max-draft-kv-cache-capacity must be >= 1"):
+        cfg.ServeConfig(model=target, max_draft_kv_cache_capacity=0).validate()
+
+    loaded = {}
+
+    def fake_llm(model, **kw):
+        loaded["options"] = kw["options"]
+        return SimpleNamespace(draft=None)  # a model without a draft
+
+    monkeypatch.setattr(cfg, "LLM", fake_llm)
+    config = cfg.ServeConfig(
+        model=target, speculative_config=json.dumps(_spec(draft)), max_draft_kv_cache_capacity=96
+    )
+    with pytest.raises(ConfigError, match="--max-draft-kv-cache-capacity 96 .* without a draft"):
+        cfg.load_state(config)
+    assert loaded["options"].max_draft_kv_rows == 96
+    assert loaded["options"].max_kv_rows == config.max_kv_cache_capacity
+    ort = cfg.ServePlan(target, cfg.BackendChoice("onnxruntime", "asked"))
+    loaded.clear()
+    with pytest.raises(ConfigError, match="onnxruntime backend's draft pool is fixed by the"):
+        cfg.load_state(config, ort)
+    assert not loaded  # refused before loading

@@ -144,6 +144,29 @@ def test_tiny_portable_target_and_draft_build_real_rtx_engines(target, tmp_path,
         assert result.manifest["roles"][role]["engine"] == f"{role}/model.engine"
         assert result.manifest["files"][f"{role}/model.engine"]["size"] == engine.stat().st_size
     assert not (tmp_path / "timing.cache").exists()  # TensorRT-RTX has no timing cache
+    check_stripped_draft_refusals(tmp_path / "bundle", result.manifest, tmp_path)
+
+
+def check_stripped_draft_refusals(bundle: Path, manifest: dict, tmp_path: Path) -> None:
+    """Issue 27 (head once in the engines): the draft's shared head / embedding can be marked
+    refittable and stripped from the plan; a name the graph lacks is refused by name, and on a
+    CPU-only host the build is refused before TensorRT-RTX fails in its JIT (every REFIT /
+    REFIT_INDIVIDUAL / REFIT_IDENTICAL / STRIP_PLAN build failed here with MyelinCheckException
+    ... CUDA_SUCCESS; the device check is scripts/gpu_check_refit.py)."""
+    import torch
+
+    from edgebuild.errors import EngineError
+
+    if torch.cuda.is_available():
+        return  # a CUDA GPU: the stripped build would run (the device check covers it)
+    role = manifest["roles"]["draft"]
+    args = (bundle / role["onnx"], tmp_path / "d.engine", "draft", role["inputs"], BUILD, 3)
+    with pytest.raises(EngineError, match=r"cannot strip \['no_such.weight'\]"):
+        build_engine(*args, builder="tensorrt_rtx", strip_weights=["no_such.weight"])
+    assert role["shared_initializers"] == ["embed_tokens.weight", "lm_head.weight"]
+    with pytest.raises(ConfigError, match="weight-stripped, refittable engine .* CUDA GPU"):
+        build_engine(*args, builder="tensorrt_rtx", strip_weights=role["shared_initializers"])
+    assert not (tmp_path / "d.engine").exists()
 
 
 def test_modelopt_nvfp4_portable_graph_with_dequantize_chains_builds_with_rtx(tmp_path, rtx):

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
 def _run(*args: str, out: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(out)}
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     return subprocess.run(
         ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -49,6 +50,22 @@ def test_the_dry_run_passes_every_non_device_step(dry_run):
     passed = re.search(r"correctness: (\d+) passed, (\d+) failed", log)
     assert passed and int(passed.group(1)) >= 300 and passed.group(2) == "0"
     assert "FAIL" not in log.replace("0 failed", "")
+
+
+def test_the_dry_run_checks_the_builder_api_of_the_refit_step(dry_run):
+    """Issue 27: the refit step's plan names what the installed builder has, checked against
+    the module itself."""
+    log = dry_run.stdout
+    assert "PLAN export -> build-embedded -> build-stripped -> refit" in log
+    try:
+        import tensorrt_rtx as trt
+    except ImportError:
+        assert "SKIP refit-api" in log or "PASS refit-api: tensorrt " in log
+        return
+    has = all(hasattr(trt.BuilderFlag, f) for f in ("REFIT_INDIVIDUAL", "STRIP_PLAN"))
+    has &= hasattr(trt, "OnnxParserRefitter") and hasattr(trt, "Refitter")
+    expected = "PASS refit-api" if has else "FAIL refit-api"
+    assert expected in log and "PASS refit plan" in log
 
 
 def test_the_dry_run_bandwidth_accounting_matches_the_kv_bytes(dry_run):

@@ -10,6 +10,9 @@ greedy DSpark equals target-only with a random and with a perfect windowed draft
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from dspark_fixtures import make_random_draft
@@ -86,7 +89,7 @@ def test_the_ring_equals_a_full_cache_with_the_window_mask_up_to_3w(target, tmp_
     nowin = TorchDraft(load_model(windowed_draft(tmp_path / "d", target), target), 512, PAGE, 8)
     for layer in nowin.model.layers:  # the same weights without the window: must differ
         layer.self_attn.block_spec = layer.self_attn.block_spec.replace(sliding_window=0)
-    nowin.window = None
+    nowin.ring = None
     width = model.fc.in_features
     g = torch.Generator().manual_seed(1)
     chunks = [[1, 3], [3, 1], [5, 6], [2, 2], [7, 1], [1, 9], [4, 2], [1, 1]]  # 24 rows each
@@ -152,7 +155,10 @@ class PerfectRing:
         return out
 
 
-def test_greedy_dspark_with_a_windowed_draft_equals_target_only(target, tmp_path):
+def check_greedy_equals_target_only(target, make_draft, lengths=(1, 3)) -> None:
+    """Greedy DSpark with ``make_draft()``'s draft (random weights: rejections happen)
+    and with a perfect one (its ring does all its work) equals target-only past 3W (prompts
+    + 40 tokens); everything is accepted with the perfect draft; the rings are given back."""
     model = LlamaForCausalLM.from_source(WeightSource(target))
     vocab = ModelConfig.from_file(target).vocab_size
     g = torch.Generator().manual_seed(3)
@@ -160,27 +166,140 @@ def test_greedy_dspark_with_a_windowed_draft_equals_target_only(target, tmp_path
     params = SamplingParams(max_tokens=40)
     ref = target_only(model, prompts, params)
     want = [s.output_ids for s in ref]
-    draft = TorchDraft(load_model(windowed_draft(tmp_path / "d", target), target), 4096, PAGE)
-    for n in (1, 3):
+    draft = make_draft()
+    for n in lengths:
         got = speculative(model, draft, prompts, params, n)
         assert [s.output_ids for s in got] == want
+        assert any(a < 1.0 for st in got for a in st.metrics.acceptance_by_position)
     full = [p + s.output_ids for p, s in zip(prompts, ref, strict=True)]
-    perfect = PerfectRing(draft, vocab)
-    got = speculative(model, perfect, prompts, params, 3, full=full)
+    got = speculative(model, PerfectRing(draft, vocab), prompts, params, 3, full=full)
     assert [s.output_ids for s in got] == want
     for st in got:  # everything accepted
         assert all(a == 1.0 for a in st.metrics.acceptance_by_position)
     assert draft.allocator.free_pages == draft.allocator.num_pages  # rings given back
 
 
-def test_the_exported_draft_graphs_carry_the_window(tmp_path):
+def test_greedy_dspark_with_a_windowed_draft_equals_target_only(target, tmp_path):
+    model = load_model(windowed_draft(tmp_path / "d", target), target)
+    check_greedy_equals_target_only(target, lambda: TorchDraft(model, 4096, PAGE))
+
+
+# ---------------------------------------------------------------------- the TensorRT draft
+def trt_ring_draft(model: DSparkDraft, max_batch=2, rope_rows=256):
+    """A TrtDraft over a stand-in engine (tests/test_trt_backend.py's GraphRunner runs the
+    exported plugin graph eagerly on the bound CPU buffers), planned from a hand manifest
+    whose dspark.kv_cache is the draft's own budget (as `edgebuild build` writes it)."""
+    from test_trt_backend import GraphRunner, _fill_rope, graph_io
+
+    from edgebuild.engine.builder import record_profiles
+    from edgebuild.export.graphs import DraftGraph, GraphKind
+    from edgebuild.runtime.trt_backend import TrtDraft
+    from edgebuild.runtime.trt_plan import plan_buffers, role_io, role_profiles
+
+    cfg = model.config
+    graph = DraftGraph(model, GraphKind.PLUGIN, PAGE, rope_rows, 8)
+    _fill_rope(graph, cfg.head_dim, cfg.rope)
+    manifest = {
+        "build": {"device": "thor", "precision": "bf16", "max_batch_size": max_batch,
+                  "max_input_len": 48, "max_kv_cache_capacity": 64, "page_size": PAGE},
+        "speculative": {"num_speculative_tokens": BLOCK},
+        "dspark": {"block_size": BLOCK, "kv_cache": cfg.kv_budget(4, PAGE)},
+        "roles": {"draft": graph_io(graph)},
+    }  # fmt: skip
+    record_profiles(manifest)
+    plan = plan_buffers(manifest)
+    draft = TrtDraft(GraphRunner(graph), role_io(manifest, "draft"),
+                     role_profiles(manifest, "draft"), plan, BLOCK, cfg.target_layer_ids,
+                     cfg.vocab_size, "cpu")  # fmt: skip
+    return draft, plan, manifest
+
+
+class FailingRunner:
+    def execute(self, profile, bindings, graph_key=None):
+        raise RuntimeError("engine failed")
+
+
+def _ring_rows(draft, seq, layer: int) -> torch.Tensor:
+    """K/V [2, H, W, D] of the last W context positions, read from the ring's pages."""
+    pool = draft.buffers.pool(f"kv_cache_{layer}")
+    rows = torch.cat([pool[p] for p in seq.pages], dim=2)  # slot order
+    return rows[:, :, seq.total - W - seq.base : seq.total - seq.base]
+
+
+def test_the_trt_drafts_ring_equals_a_full_cache_with_the_window_mask_up_to_3w(target, tmp_path):
+    """Rotated page table, slot past lengths, absolute positions: the same drafts as the CPU
+    reference with every row kept; after every step (the ring wraps several times) the ring
+    holds exactly the reference's K/V of the last W positions (no stale rows)."""
+    model = load_model(windowed_draft(tmp_path / "d", target), target)
+    draft, plan, _ = trt_ring_draft(model)
+    full = TorchDraft(model, 512, PAGE, top_k=8, ring=False)
+    assert plan.draft_ring.pages == 4 and plan.draft_ring.window == W
+    width = model.fc.in_features
+    g = torch.Generator().manual_seed(1)
+    chunks = [[1, 3], [3, 1], [5, 6], [2, 2], [7, 1], [1, 9], [4, 2], [1, 1]]  # 24 rows each
+    seqs, refs = [draft.new_sequence(), draft.new_sequence()], [full.new_sequence() for _ in "ab"]
+    for step, (a, b) in enumerate(chunks):
+        feats = [torch.randn(a, width, generator=g), torch.randn(b, width, generator=g)]
+        anchors = [3 + step, 40 + step]
+        for d, ss in ((draft, seqs), (full, refs)):
+            d.update_context(ss, [f.clone() for f in feats])
+        if step == 5:  # a failed engine call after the wrap: the ring is as it was before
+            before = [(list(s.pages), s.base, s.length, s.total) for s in seqs]
+            real, draft.runner = draft.runner, FailingRunner()
+            with pytest.raises(RuntimeError, match="engine failed"):
+                _proposals(draft, seqs, anchors)
+            draft.runner = real
+            assert [(list(s.pages), s.base, s.length, s.total) for s in seqs] == before
+        got, want = _proposals(draft, seqs, anchors), _proposals(full, refs, anchors)
+        for pg, pw in zip(got, want, strict=True):
+            assert pg.tokens == pw.tokens
+            torch.testing.assert_close(pg.dense_q(96), pw.dense_q(96), atol=1e-5, rtol=0)
+        for s, r in zip(seqs, refs, strict=True):
+            assert len(s.pages) == 4 and draft.context_length(s) == r.length
+            if s.total >= W:
+                for layer in range(model.config.num_hidden_layers):
+                    ref = torch.cat([full.pools[layer][p] for p in r.pages], dim=2)
+                    ref = ref[:, :, r.length - W : r.length]
+                    torch.testing.assert_close(_ring_rows(draft, s, layer), ref, atol=1e-5, rtol=0)
+    assert all(s.base > 0 for s in seqs)  # it wrapped
+    for s in seqs:
+        draft.free(s)
+    assert draft.allocator.free_pages == draft.allocator.num_pages == plan.draft_pages
+
+
+def test_the_trt_drafts_ring_pages_and_buffers_stay_the_same_from_context_1k_to_8k(
+    target, tmp_path
+):
+    model = load_model(windowed_draft(tmp_path / "d", target), target)
+    draft, plan, manifest = trt_ring_draft(model, rope_rows=8192)
+    pools = [draft.buffers.pool(f"kv_cache_{i}") for i in range(2)]
+    ring_bytes = 4 * sum(p[0].numel() * p.element_size() for p in pools)
+    assert ring_bytes == manifest["dspark"]["kv_cache"]["bytes_per_request"]
+    # the plan's draft pools: whole rings, as many as the full pool's 2 x 16 pages hold
+    assert plan.draft_pages == 32 and all(p.shape[0] == 32 for p in pools)
+    seq = draft.new_sequence()
+    held = []
+    for rows in (1000, 3000, 4000):  # contexts 1k, 4k, 8k: past the engines' 64-row capacity
+        draft.update_context([seq], [torch.randn(rows, model.fc.in_features)])
+        _proposals(draft, [seq], [5])
+        held.append((len(seq.pages), draft.allocator.free_pages, draft.pages_to_grow(seq, 99)))
+    assert draft.context_length(seq) == 8000 and seq.length <= 16
+    assert held == [(4, 28, 0)] * 3
+
+
+def test_greedy_dspark_with_the_trt_ring_draft_equals_target_only(target, tmp_path):
+    """Rejections never leave a stale row in the TensorRT draft's ring either."""
+    model = load_model(windowed_draft(tmp_path / "d", target), target)
+    check_greedy_equals_target_only(target, lambda: trt_ring_draft(model)[0], lengths=(3,))
+
+
+def test_the_exported_draft_graphs_carry_the_window(windowed_bundle, tmp_path):
     """Portable graph in onnxruntime == the eager graph with the window at a context of 3W
-    (and != without it); the plugin graph's block nodes carry sliding_window = W. A bundle is
-    refused by name: no engine runtime keeps the ring yet."""
+    (and != without it); the plugin graph's block nodes carry sliding_window = W (the
+    windowed bundle's base/draft.onnx)."""
     import onnx
     from export_fixtures import draft_feeds, make_tiny_target, run_ort
 
-    from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
     from edgebuild.checkpoint.pairing import PairedSources
     from edgebuild.checkpoint.source import COMPONENT, TARGET
     from edgebuild.export import ExportOptions, GraphKind, export_draft
@@ -215,8 +334,7 @@ def test_the_exported_draft_graphs_carry_the_window(tmp_path):
         torch.from_numpy(got["draft_scores"]), ref["draft_scores"], atol=1e-4, rtol=0
     )
     assert not torch.allclose(ref["draft_scores"], nowin["draft_scores"], atol=1e-3)
-    plugin = export_draft(pair, tcfg, tmp_path / "plugin", ExportOptions(dtype="float32", top_k=5))
-    model = onnx.load(str(plugin.onnx_path), load_external_data=False)
+    model = onnx.load(str(windowed_bundle[0] / "base" / "draft.onnx"), load_external_data=False)
     attrs = [
         {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         for n in model.graph.node
@@ -228,6 +346,54 @@ def test_the_exported_draft_graphs_carry_the_window(tmp_path):
         (1, 0),
         (1, 0),
     ]
-    recipe = recipe_from_flags(target, draft, max_input_len=32, max_kv_cache_capacity=64)
-    with pytest.raises(ConfigError, match="sliding_window 8.*torch backend"):
-        build_bundle(recipe, tmp_path / "b", BuildOptions(onnx_only=True, progress=False))
+
+
+@pytest.fixture(scope="module")
+def windowed_bundle(tmp_path_factory):
+    """A tiny fp32 bundle (graphs only) of a qwen3 target and a W = 8 draft, page size 4."""
+    from export_fixtures import make_tiny_target, write_tiny_tokenizer
+
+    from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
+
+    root = tmp_path_factory.mktemp("windowed")
+    target = make_tiny_target(root / "t", "qwen3", num_hidden_layers=2)
+    write_tiny_tokenizer(target, ModelConfig.from_file(target).vocab_size)
+    draft = windowed_draft(root / "d", target)
+    recipe = recipe_from_flags(target, draft, max_batch_size=2, max_input_len=32,
+                               max_kv_cache_capacity=96, page_size=PAGE)  # fmt: skip
+    out = root / "bundle"
+    build_bundle(recipe, out, BuildOptions(onnx_only=True, progress=False, dtype="float32"))
+    return out, target
+
+
+def test_a_windowed_bundle_on_onnxruntime_keeps_the_ring_and_equals_target_only(windowed_bundle):
+    """The bundle's own graphs through runtime/trt/ (issue 24's onnxruntime adapter, the
+    plugin node by its host build): the plan keeps a 4-page ring per request, the manifest
+    states the ring's bytes at the engines' page size, greedy DSpark equals target-only past
+    3W, and the ring's pages stay the same as the context grows."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime_extensions")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to build the plugin's host code")
+    from edgebuild.runtime.llm import LLM, RuntimeOptions
+
+    bundle, _ = windowed_bundle
+    llm = LLM(bundle, backend="onnxruntime", options=RuntimeOptions(dtype=torch.float32))
+    kv = json.loads((bundle / "manifest.json").read_text())["dspark"]["kv_cache"]
+    assert kv["attention"] == "sliding" and kv["ring_rows"] == 16  # 4 pages of 4
+    assert llm.draft.ring.pages == 4
+    prompts = [[5, 9, 2, 33, 7, 1, 8], [11, 4, 80, 3, 3, 19, 60, 2, 41]]
+    sp = SamplingParams(max_tokens=30, temperature=0.0)  # contexts of 37 and 39 > 3W
+    want = [s.output_ids for s in llm.without_draft().generate_ids(prompts, sp)]
+    seen = []
+    original = llm.draft.propose
+
+    def spy(seqs, *args):
+        out = original(seqs, *args)
+        seen.extend((llm.draft.context_length(s), len(s.pages)) for s in seqs)
+        return out
+
+    llm.draft.propose = spy
+    assert [s.output_ids for s in llm.generate_ids(prompts, sp)] == want
+    assert max(c for c, _ in seen) > 3 * W and {p for _, p in seen} == {4}
+    assert llm.draft.allocator.free_pages == llm.draft.allocator.num_pages

@@ -290,7 +290,6 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
         draft = pair_draft(target, recipe.resolve(recipe.draft), tcfg)
         pair, draft_cfg = draft.pair, draft.config
         del draft
-        _refuse_windowed(draft_cfg)
         model = meta_draft(draft_cfg, torch.float32)
         n = recipe.speculative.num_speculative_tokens
         if n > draft_cfg.block_size:
@@ -319,21 +318,6 @@ def plan_build(recipe: Recipe, options: BuildOptions) -> BuildPlan:
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _refuse_windowed(draft_cfg) -> None:
-    """A sliding-window draft builds no bundle yet (its ring lives in the torch runtime).
-
-    Raises:
-        ConfigError: naming the field and what to run instead.
-    """
-    if draft_cfg.sliding_window:
-        raise ConfigError(
-            f"{draft_cfg.source}: a sliding-window draft (sliding_window "
-            f"{draft_cfg.sliding_window}) has no engine runtime yet: its graphs carry the "
-            "window but the TensorRT backend and buffer plan keep no ring; run the pair "
-            "with the torch backend (edgebuild run / edgellm-serve on the checkpoints)"
-        )
 
 
 def _shared_bytes(pair: PairedSources) -> int:
@@ -661,7 +645,9 @@ def _manifest(plan: BuildPlan, options: BuildOptions, tmp: Path, exported: dict,
         dspark["top_k"] = exported["roles"][draft_role(recipe)]["top_k"]
         dspark["shared_bytes"] = plan.shared_bytes  # checkpoint bytes not copied into the draft
         dtype = exported["roles"][draft_role(recipe)]["dtype"]  # the draft cache's dtype
-        dspark["kv_cache"] = plan.draft_config.kv_budget(_DTYPE_BYTES.get(dtype, 2))
+        dspark["kv_cache"] = plan.draft_config.kv_budget(
+            _DTYPE_BYTES.get(dtype, 2), recipe.build.page_size
+        )  # a windowed draft's ring is whole pages of the engines' page size
     for role, entry in sources.items():
         entry["quant"] = sorted(
             f.value for f in _formats(plan.target if role == "target" else plan.pair.draft)

@@ -344,6 +344,15 @@ def sliding_window_of(cfg: Mapping, source: str, num_layers: int) -> int | None:
     return _positive_window(window, "sliding_window", source, "'use_sliding_window' = true")
 
 
+def ring_pages(window: int, block_size: int, page_size: int) -> int:
+    """Pages of a windowed draft's per-request ring (every backend's
+    :class:`~edgebuild.runtime.kv_cache.DraftRing`): the window, the block and one page of
+    slack, ``ceil((W + block_size) / page_size) + 1``. The slack keeps a whole window behind
+    the end of any write once the ring has rotated: the ring then covers ``end + block_size``
+    and starts less than one page above ``end + block_size - rows``, i.e. below ``end - W``."""
+    return -(-(window + block_size) // page_size) + 1
+
+
 def _positive_window(size, where: str, source: str, why: str) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ConfigError(
@@ -458,7 +467,7 @@ class DSparkConfig:
         block and one page of slack (``ceil((W + block_size) / page_size) + 1`` pages)."""
         if not self.sliding_window:
             raise ValueError("ring_rows of a full-attention draft")
-        return (-(-(self.sliding_window + self.block_size) // page_size) + 1) * page_size
+        return ring_pages(self.sliding_window, self.block_size, page_size) * page_size
 
     def kv_budget(self, dtype_bytes: int, page_size: int = 32) -> dict:
         """What the draft's context cache costs: a full-attention draft holds one row per

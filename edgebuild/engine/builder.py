@@ -346,6 +346,7 @@ def build_engine(
     plugin_library: Path | None = None,
     timing_cache: Path | None = None,
     visual: VisualGeometry | None = None,
+    strip_weights: Sequence[str] = (),
 ) -> EngineReport:
     """Parse ``onnx_path`` and write a serialized engine to ``engine_path``.
 
@@ -362,6 +363,9 @@ def build_engine(
         timing_cache: a file read (when present) and updated after the build (real TensorRT;
             TensorRT-RTX has no timing cache).
         visual: the vision tower's geometry (required for the ``visual`` role).
+        strip_weights: initializers to leave out of the plan, refittable
+            (:func:`strip_refittable`; the draft's shared head / embedding, refitted at load
+            from ``base/shared.onnx.data``). Empty: every weight embedded.
 
     Raises:
         MissingDependencyError: no TensorRT, or a plugin graph without the library (or one
@@ -391,6 +395,8 @@ def build_engine(
     shapes = profiles(role, inputs, build, num_speculative_tokens, visual)
     timing_cache = timing_cache if builder == "tensorrt" else None  # no-op in TensorRT-RTX
     _configure(trt, trt_builder, config, shapes, needs_plugin, timing_cache)
+    if strip_weights:
+        strip_refittable(trt, network, config, strip_weights, Path(onnx_path))
     serialized = trt_builder.build_serialized_network(network, config)
     if serialized is None:
         raise EngineError(f"{onnx_path}: TensorRT failed to build the {role} engine (see its log)")
@@ -406,6 +412,38 @@ def build_engine(
         str(plugin_library) if needs_plugin and plugin_library else None,
         str(timing_cache) if timing_cache else None,
     )
+
+
+def strip_refittable(trt, network, config, names: Sequence[str], onnx_path: Path) -> None:
+    """Build a plan without the weights ``names``, which stay refittable (TensorRT 10's
+    weight-stripped engines: ``INetworkDefinition.mark_weights_refittable`` per name,
+    ``BuilderFlag.REFIT_INDIVIDUAL`` + ``STRIP_PLAN``). The engine must be refitted before it
+    runs (``Refitter`` / ``OnnxParserRefitter.refit_from_file`` on the graph, whose external
+    data hold them); on the device that puts them back into the engine's own memory, so this
+    saves engine-file bytes, not device bytes (docs/ARCHITECTURE.md, "one head").
+
+    Raises:
+        EngineError: a name the parsed network has no weights of (names it).
+        ConfigError: no CUDA GPU here: TensorRT-RTX 1.7 builds plain engines on a CPU-only
+            host but fails every refittable or stripped build in its JIT compiler (seen:
+            ``MyelinCheckException ... CUDA_SUCCESS``), so this is refused before building.
+    """
+    missing = [n for n in names if not network.mark_weights_refittable(n)]
+    if missing:
+        raise EngineError(
+            f"{onnx_path}: cannot strip {missing}: the parsed graph has no weights of that "
+            "name (the shared initializers are listed in the manifest's "
+            "roles.<role>.shared_initializers)"
+        )
+    if _local_sm() is None:
+        raise ConfigError(
+            f"{onnx_path}: a weight-stripped, refittable engine ({len(names)} weights left "
+            "out) needs a CUDA GPU at build time (TensorRT-RTX compiles refittable plans "
+            "with CUDA even for a portable graph); build it on the device, or embed every "
+            "weight"
+        )
+    config.set_flag(trt.BuilderFlag.REFIT_INDIVIDUAL)
+    config.set_flag(trt.BuilderFlag.STRIP_PLAN)
 
 
 def _configure(trt, trt_builder, config, shapes: list[dict], needs_plugin: bool, timing_cache):

@@ -436,7 +436,17 @@ def materialize(
     return report
 
 
-def _initializer(graph: ir.Graph, name: str, tensor) -> ir.Value:
+def _stored(
+    graph: ir.Graph,
+    writer: ExternalDataWriter,
+    name: str,
+    data: torch.Tensor,
+    dtype: ir.DataType,
+    shape: tuple[int, ...],
+) -> ir.Value:
+    """Initializer ``name`` of ``graph`` whose bytes ``writer`` stores (``data`` as ``dtype``
+    of ``shape``; the bytes as the checkpoint holds them)."""
+    tensor = writer.add(name, data, dtype, shape)
     value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
     value.const_value = tensor
     graph.register_initializer(value)
@@ -454,19 +464,31 @@ def _node(op: str, inputs, name: str, **attrs) -> ir.Node:
     )
 
 
+_CODE_DTYPES = {
+    QuantAlgo.NVFP4: ir.DataType.FLOAT4E2M1,
+    QuantAlgo.FP8: ir.DataType.FLOAT8E4M3FN,
+    QuantAlgo.FP8_BLOCK: ir.DataType.FLOAT8E4M3FN,
+}
+
+
 def _dequantize_chain(
     graph: ir.Graph, value: ir.Value, qw: QuantizedWeight, writer: ExternalDataWriter
 ) -> list[ir.Node]:
-    """Replace initializer ``value`` by a DequantizeLinear chain over the stored tensors."""
+    """Replace initializer ``value`` by a DequantizeLinear chain over the stored tensors: the
+    codes (initializer ``value.name``, [out, in] in the format's code type), its scales."""
     qw.validate()
     name = value.name
-    nodes: list[ir.Node] = []
+    out_f, in_f = qw.shape
+    if qw.format is QuantAlgo.NVFP4 and qw.data.shape[1] * 2 != in_f:
+        raise CheckpointError(
+            f"{qw.file}: NVFP4 tensor '{name}' is padded along 'in' ({qw.data.shape[1] * 2} "
+            f"codes for {in_f} inputs); padded NVFP4 weights are not exported yet"
+        )
     graph.initializers.pop(name)
     value.name = f"{name}.__meta"
-    if qw.format is QuantAlgo.NVFP4:
-        nodes += _nvfp4_nodes(graph, name, qw, writer)
-    else:
-        nodes += _fp8_nodes(graph, name, qw, writer)
+    data = _stored(graph, writer, name, qw.data, _CODE_DTYPES[qw.format], (out_f, in_f))
+    scales = _nvfp4_nodes if qw.format is QuantAlgo.NVFP4 else _fp8_nodes
+    nodes = scales(graph, data, qw, writer, f"{name}.dequantized")
     result = nodes[-1].outputs[0]
     if value.dtype != ir.DataType.FLOAT:
         nodes.append(_node("Cast", [result], f"{name}.dense", to=value.dtype))
@@ -476,81 +498,33 @@ def _dequantize_chain(
 
 
 def _nvfp4_nodes(
-    graph: ir.Graph, name: str, qw: QuantizedWeight, writer: ExternalDataWriter
+    graph: ir.Graph, data: ir.Value, qw: QuantizedWeight, writer: ExternalDataWriter, out: str
 ) -> list[ir.Node]:
-    """NVFP4 codes, FP8 block scales and the FP32 global scale -> two DequantizeLinear nodes."""
-    prefix = qw.name
-    out_f, in_f = qw.shape
-    nodes: list[ir.Node] = []
-    if qw.data.shape[1] * 2 != in_f:
-        raise CheckpointError(
-            f"{qw.file}: NVFP4 tensor '{name}' is padded along 'in' ({qw.data.shape[1] * 2} "
-            f"codes for {in_f} inputs); padded NVFP4 weights are not exported yet"
-        )
-    data = _initializer(
-        graph,
-        name,
-        writer.add(name, qw.data, ir.DataType.FLOAT4E2M1, (out_f, qw.data.shape[1] * 2)),
-    )
-    scale = _initializer(
-        graph,
-        f"{prefix}.weight_scale",
-        writer.add(
-            f"{prefix}.weight_scale",
-            qw.weight_scale,
-            ir.DataType.FLOAT8E4M3FN,
-            tuple(qw.weight_scale.shape),
-        ),
-    )
-    global_scale = _initializer(
-        graph,
-        f"{prefix}.weight_scale_2",
-        writer.add(f"{prefix}.weight_scale_2", qw.weight_scale_2.float(), ir.DataType.FLOAT, ()),
-    )
-    nodes.append(_node("DequantizeLinear", [scale, global_scale], f"{prefix}.block_scale"))
-    nodes.append(
-        _node(
-            "DequantizeLinear",
-            [data, nodes[-1].outputs[0]],
-            f"{name}.dequantized",
-            axis=-1,
-            block_size=qw.group_size,
-        )
-    )
-    return nodes
+    """FP8 block scales and the FP32 global scale of the NVFP4 codes ``data`` -> two
+    DequantizeLinear nodes (the block scales, then the codes; output ``out``)."""
+    ws, ws2 = qw.weight_scale, qw.weight_scale_2.float()
+    f8, f32 = ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT
+    scale = _stored(graph, writer, f"{qw.name}.weight_scale", ws, f8, tuple(ws.shape))
+    global_scale = _stored(graph, writer, f"{qw.name}.weight_scale_2", ws2, f32, ())
+    block = _node("DequantizeLinear", [scale, global_scale], f"{qw.name}.block_scale")
+    codes = [data, block.outputs[0]]
+    return [block, _node("DequantizeLinear", codes, out, axis=-1, block_size=qw.group_size)]
 
 
 def _fp8_nodes(
-    graph: ir.Graph, name: str, qw: QuantizedWeight, writer: ExternalDataWriter
+    graph: ir.Graph, data: ir.Value, qw: QuantizedWeight, writer: ExternalDataWriter, out: str
 ) -> list[ir.Node]:
-    """FP8 codes and their per-tensor / per-row (FP8 block) scales -> one DequantizeLinear."""
-    prefix = qw.name
-    out_f, in_f = qw.shape
-    nodes: list[ir.Node] = []
-    data = _initializer(
-        graph, name, writer.add(name, qw.data, ir.DataType.FLOAT8E4M3FN, (out_f, in_f))
-    )
+    """Per-tensor / per-row (FP8 block) scales of the FP8 codes ``data`` -> one
+    DequantizeLinear (output ``out``)."""
+    out_f = qw.shape[0]
     if qw.format is QuantAlgo.FP8:
         ws = qw.weight_scale.float().reshape(-1)
-        scalar = ws.numel() == 1
-        scale = _initializer(
-            graph,
-            f"{prefix}.weight_scale",
-            writer.add(f"{prefix}.weight_scale", ws, ir.DataType.FLOAT, () if scalar else (out_f,)),
-        )
-        attrs = {} if scalar else {"axis": 0}
-        nodes.append(_node("DequantizeLinear", [data, scale], f"{name}.dequantized", **attrs))
-    else:  # FP8_BLOCK: per-row block scales along `in`
-        bo, bi = qw.block_size
-        rows = qw.weight_scale_inv.float().repeat_interleave(bo, dim=0)[:out_f]
-        scale = _initializer(
-            graph,
-            f"{prefix}.weight_scale_inv_rows",
-            writer.add(
-                f"{prefix}.weight_scale_inv_rows", rows, ir.DataType.FLOAT, tuple(rows.shape)
-            ),
-        )
-        nodes.append(
-            _node("DequantizeLinear", [data, scale], f"{name}.dequantized", axis=1, block_size=bi)
-        )
-    return nodes
+        shape = () if ws.numel() == 1 else (out_f,)
+        scale = _stored(graph, writer, f"{qw.name}.weight_scale", ws, ir.DataType.FLOAT, shape)
+        attrs = {"axis": 0} if shape else {}
+        return [_node("DequantizeLinear", [data, scale], out, **attrs)]
+    bo, bi = qw.block_size  # FP8_BLOCK: per-row block scales along `in`
+    rows = qw.weight_scale_inv.float().repeat_interleave(bo, dim=0)[:out_f]
+    rows_name = f"{qw.name}.weight_scale_inv_rows"
+    scale = _stored(graph, writer, rows_name, rows, ir.DataType.FLOAT, tuple(rows.shape))
+    return [_node("DequantizeLinear", [data, scale], out, axis=1, block_size=bi)]

@@ -8,28 +8,29 @@ candidates, which keeps rejection sampling exact. `draft_top_k` 0 uses the full 
 
 **Context cache.** A full-attention draft keeps one paged row per context position (its pages
 grow with the context and are counted beside the target's). A windowed draft
-(``sliding_window`` W, :class:`RingSequence`) owns a fixed ring of
-:meth:`~edgebuild.checkpoint.dspark_config.DSparkConfig.ring_rows` rows (whole pages) per
-request, taken at its first context row and kept until it is freed: slot t holds position
-``base + t``; when a write or a block would run past the ring, its oldest page moves to the end
-(``base`` += page_size), so the page table is a rotation of the same pages. Context rows that
-no later block can see (older than W before the end of a write) are not computed. Rows of a
-recycled page that are not yet rewritten lie at slots >= the context length, or older than the
-window, so the attention window hides them; the block's rows are never written, so rolling a
-block back is nothing to undo across the wrap.
+(``sliding_window`` W, :class:`~edgebuild.runtime.kv_cache.RingSequence`) owns a fixed ring of
+pages per request (:class:`~edgebuild.runtime.kv_cache.DraftRing`: the rule, shared with the
+TensorRT draft): slot t holds position ``base + t``, the oldest page moves to the end when a
+write or a block would run past the ring, only rows a later block can see are computed, and
+the block's rows are never written, so rolling a block back is nothing to undo across the wrap.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from edgebuild.models.common import PagedBatch
 from edgebuild.models.dspark import DSparkDraft, MarkovHeadType
 from edgebuild.runtime.backend import Proposal
-from edgebuild.runtime.kv_cache import PageAllocator, Sequence, allocate_pools
+from edgebuild.runtime.kv_cache import (
+    DraftRing,
+    PageAllocator,
+    RingSequence,
+    Sequence,
+    allocate_pools,
+)
 from edgebuild.runtime.markov_walk import draw_rows, walk_lattice, walk_uniforms
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.torch_backend import make_batch, pad_rows
@@ -47,15 +48,6 @@ OOM-killed on a 24 GB host. Above this the same walk runs token by token
 def lattice_bytes(batch: int, n: int, k: int, hidden: int) -> int:
     """Bytes of the fp32 tensors of a ``[batch, n]`` top-``k`` lattice (``hidden`` = d)."""
     return 4 * batch * n * k * (k + hidden)
-
-
-@dataclass
-class RingSequence(Sequence):
-    """A windowed draft's context (module docstring): ``length`` slots in use, slot t holding
-    position ``base + t``; ``total`` = ``base + length`` context rows seen."""
-
-    base: int = 0
-    total: int = 0
 
 
 class TorchDraft:
@@ -90,8 +82,10 @@ class TorchDraft:
             model.pack_for_cpu(quant)
         # + one block per page budget: block rows are reserved (never written) during a pass
         num_pages = -(-max_kv_rows // page_size) + 4 * (-(-cfg.block_size // page_size))
-        self.window = cfg.sliding_window if ring or ring is None else None
-        self.ring_pages = cfg.ring_rows(page_size) // page_size if self.window else 0
+        window = cfg.sliding_window if ring or ring is None else None
+        self.ring = (
+            DraftRing(window, cfg.ring_rows(page_size) // page_size, page_size) if window else None
+        )
         self.allocator = PageAllocator(num_pages, page_size)
         dtype = next(model.parameters()).dtype
         self.pools = allocate_pools(
@@ -105,7 +99,12 @@ class TorchDraft:
 
     def new_sequence(self) -> Sequence:
         seq = self.allocator.new_sequence()
-        return RingSequence(seq.seq_id) if self.window else seq
+        return RingSequence(seq.seq_id) if self.ring else seq
+
+    @property
+    def ring_pages(self) -> int:
+        """Pages of one request's ring (0: a full-attention cache)."""
+        return self.ring.pages if self.ring else 0
 
     def context_length(self, seq: Sequence) -> int:
         """Context rows the sequence has seen (its next block sits at this position)."""
@@ -114,29 +113,18 @@ class TorchDraft:
     def pages_to_grow(self, seq: Sequence | None, rows: int) -> int:
         """Pages a step that adds ``rows`` context rows and runs a block may newly take
         (``seq`` None: a new sequence with ``rows`` rows). A ring takes all its pages at once."""
-        if self.window:
-            return self.ring_pages - (len(seq.pages) if seq is not None else 0)
+        if self.ring:
+            return self.ring.pages - (len(seq.pages) if seq is not None else 0)
         have, length = (len(seq.pages), seq.length) if seq is not None else (0, 0)
         return max(self.allocator.pages_for(length + rows + self.block_size) - have, 0)
-
-    def _ring_make_room(self, seq: RingSequence, end: int) -> None:
-        """Own the ring, then rotate until the ring covers positions up to ``end``."""
-        if not seq.pages:
-            self.allocator.reserve(seq, self.ring_pages * self.allocator.page_size)
-        ps = self.allocator.page_size
-        while seq.base + self.ring_pages * ps < end:
-            seq.pages.append(seq.pages.pop(0))
-            seq.base += ps
-        seq.length = max(seq.total - seq.base, 0)
 
     def _ring_update(self, seqs: list[RingSequence], features: list[torch.Tensor]) -> None:
         """Write the rows a later block can see into each ring (module docstring)."""
         rows, starts = [], []
         for s, f in zip(seqs, features, strict=True):
-            old, end = s.total, s.total + int(f.shape[0])
-            self._ring_make_room(s, end)
-            first = max(old, end - self.window, s.base)  # older rows: never visible
-            rows.append(f[first - old :])
+            self.ring.make_room(self.allocator, s, s.total + int(f.shape[0]))
+            first = self.ring.first_written(s, int(f.shape[0]))  # older rows: never visible
+            rows.append(f[first - s.total :])
             starts.append(first)
         lengths = [int(r.shape[0]) for r in rows]
         past = torch.tensor([st - s.base for s, st in zip(seqs, starts, strict=True)])
@@ -152,13 +140,12 @@ class TorchDraft:
         )
         self.model.context_update(pad_rows(rows, 0), self.pools, batch)
         for s, f in zip(seqs, features, strict=True):
-            s.total += int(f.shape[0])
-            s.length = s.total - s.base
+            self.ring.advance(s, int(f.shape[0]))
 
     def _ring_block(self, seqs: list[RingSequence], anchors: list[int]) -> torch.Tensor:
         bs = self.block_size
         for s in seqs:
-            self._ring_make_room(s, s.total + bs)
+            self.ring.make_room(self.allocator, s, s.total + bs)
         past = torch.tensor([s.length for s in seqs], dtype=torch.int32)
         total = torch.tensor([s.total for s in seqs], dtype=torch.int32)
         batch = PagedBatch(
@@ -176,7 +163,7 @@ class TorchDraft:
     @torch.inference_mode()
     def update_context(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
         """Append target features [m_b, n_t * d] of sequence b's new context rows."""
-        if self.window:
+        if self.ring:
             self._ring_update(seqs, features)
             return
         lengths = [int(f.shape[0]) for f in features]
@@ -199,7 +186,7 @@ class TorchDraft:
         Only the ``max(num_tokens)`` rows that are drafted reach ``lm_head``.
         """
         bs = self.block_size
-        if self.window:
+        if self.ring:
             h = self._ring_block(seqs, anchors)  # the ring's pages hold the block's slots
         else:
             batch = make_batch(self.allocator, seqs, [bs] * len(seqs))

@@ -54,6 +54,89 @@ class Sequence:
     shared_rows: int = 0
 
 
+@dataclass
+class RingSequence(Sequence):
+    """A windowed DSpark draft's context on a fixed ring of pages (:class:`DraftRing`):
+    ``length`` slots in use, slot t holding position ``base + t``; ``total`` = ``base +
+    length`` context rows seen."""
+
+    base: int = 0
+    total: int = 0
+
+
+@dataclass(frozen=True)
+class DraftRing:
+    """The fixed ring of a sliding-window draft's context cache, the same rule on every
+    backend (:mod:`edgebuild.runtime.dspark_backend`, :mod:`edgebuild.runtime.trt.draft`).
+
+    A request takes its ``pages`` pages at its first context row and keeps them until it is
+    freed. Slot t holds position ``base + t``; when a write (or the block after it) would run
+    past the ring, the oldest page moves to the end (``base`` += page size), so the page
+    table is a rotation of the same pages. Only the rows a later block can see are written
+    (the last ``window`` of a write); a recycled page's rows that are not rewritten lie at
+    slots >= the context length or older than the window, which the attention window hides.
+    The block's own rows are never written, so rejecting drafts leaves nothing to undo across
+    the wrap: the ring only ever advances by accepted target rows.
+
+    Attributes:
+        window: W, the draft's ``sliding_window`` (positions a block row sees).
+        pages: pages per request
+            (:func:`~edgebuild.checkpoint.dspark_config.ring_pages`).
+        page_size: rows per page.
+    """
+
+    window: int
+    pages: int
+    page_size: int
+
+    @property
+    def rows(self) -> int:
+        return self.pages * self.page_size
+
+    def make_room(self, allocator: PageAllocator, seq: RingSequence, end: int) -> None:
+        """Own the ring (its pages taken on first use), then rotate until it covers
+        positions below ``end``.
+
+        Raises:
+            CacheCapacityError: no ring is free (nothing is taken then).
+        """
+        if not seq.pages:
+            allocator.reserve(seq, self.rows)
+        while seq.base + self.rows < end:
+            seq.pages.append(seq.pages.pop(0))
+            seq.base += self.page_size
+        seq.length = max(seq.total - seq.base, 0)
+
+    def first_written(self, seq: RingSequence, rows: int) -> int:
+        """Position of the first of ``rows`` new context rows that a later block can see
+        (older ones are never written); call after :meth:`make_room`."""
+        end = seq.total + rows
+        return max(seq.total, end - self.window, seq.base)
+
+    def advance(self, seq: RingSequence, rows: int) -> None:
+        """``rows`` context rows were written (positions up to ``total + rows``)."""
+        seq.total += rows
+        seq.length = seq.total - seq.base
+
+    @staticmethod
+    def state(seq: RingSequence) -> tuple:
+        """What :meth:`restore` puts back (page order, base, length, total)."""
+        return list(seq.pages), seq.base, seq.length, seq.total
+
+    @staticmethod
+    def restore(allocator: PageAllocator, seq: RingSequence, state: tuple) -> None:
+        """Undo :meth:`make_room` after a failed call: the page order and counters of
+        ``state``; a ring taken by that call goes back to the pool. Rows the failed call
+        wrote into a recycled page are not restored (an engine failure leaves its rows
+        undefined, as on a full cache)."""
+        pages, seq.base, seq.length, seq.total = state
+        if pages:
+            seq.pages[:] = pages
+        elif seq.pages:  # taken by the failed call
+            seq.length = 0
+            allocator.rollback(seq, 0)
+
+
 def block_hashes(token_ids: Seq[int], page_size: int) -> list[bytes]:
     """Chained hashes of the full `page_size`-token blocks of `token_ids` (a partial last
     block has none): ``h_i = sha256(h_{i-1} || int64 bytes of block i)``, h_{-1} empty.

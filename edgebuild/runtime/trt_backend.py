@@ -15,7 +15,9 @@ of these), host staging for what the host writes and reads back, and per layer a
 page pool for the base and for the draft. The pools are addressed through the same
 :class:`~edgebuild.runtime.kv_cache.PageAllocator` page tables as the CPU backend ("one
 allocator, two storage backends"): the allocator hands out page ids, the engine's
-``page_table`` input carries them, the plugin reads and writes the pool in place.
+``page_table`` input carries them, the plugin reads and writes the pool in place. A
+sliding-window draft's pool is whole fixed rings, one per request, whose page table is a
+rotation of the same pages (:mod:`edgebuild.runtime.trt.draft`).
 
 One step of DSpark decoding on this backend (the words of :mod:`edgebuild.runtime.decoding`):
 

@@ -22,7 +22,11 @@ Owns
 KV geometry: the builder gives every sequence up to ``ceil(max_kv_cache_capacity /
 page_size)`` pages (the ``max_pages`` axis) and the pool ``max_pages * max_batch_size`` pages
 (the ``num_pages`` axis); the pool's shape is the same on every call, which keeps CUDA graphs
-valid. Page tables are always ``max_pages`` wide for the same reason.
+valid. Page tables are always ``max_pages`` wide for the same reason. A sliding-window draft
+(``dspark.kv_cache.attention`` "sliding") keeps a fixed ring of pages per request instead
+(:func:`draft_ring`, :class:`~edgebuild.runtime.kv_cache.DraftRing`): its pools hold whole
+rings, as many as the ``num_pages`` pages hold (at least ``max_batch_size``), and its page
+table is the request's rotated ring (the first ring-many entries of the ``max_pages`` row).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from dataclasses import dataclass, field
 import torch
 
 from edgebuild.bundle.manifest import engine_profiles
+from edgebuild.checkpoint.dspark_config import ring_pages
 from edgebuild.errors import BundleError, EngineError
+from edgebuild.runtime.kv_cache import DraftRing
 
 # dtype names as the manifest writes them (str(torch.dtype) without "torch.")
 DTYPES: dict[str, torch.dtype] = {
@@ -277,10 +283,16 @@ class BufferSpec:
 
 @dataclass
 class BufferPlan:
-    """All buffers of the backend (see :func:`plan_buffers`)."""
+    """All buffers of the backend (see :func:`plan_buffers`).
+
+    ``draft_ring``: a sliding-window draft's per-request ring (:func:`draft_ring`), None for a
+    full-attention draft (or none); ``draft_pages``: pages of each draft KV pool.
+    """
 
     limits: EngineLimits
     buffers: list[BufferSpec] = field(default_factory=list)
+    draft_ring: DraftRing | None = None
+    draft_pages: int = 0
 
     def get(self, role: str, name: str, location: str = "device") -> BufferSpec:
         for b in self.buffers:
@@ -325,12 +337,44 @@ def axis_maxima(io: RoleIO, profiles: list[Profile]) -> dict[str, int]:
     return axes
 
 
-def _role_buffers(manifest: dict, role: str, limits: EngineLimits) -> list[BufferSpec]:
+def draft_ring(manifest: dict, limits: EngineLimits) -> DraftRing | None:
+    """The fixed ring of a sliding-window draft's context cache (``dspark.kv_cache`` of the
+    manifest: ``attention`` "sliding", ``sliding_window`` W), of
+    :func:`~edgebuild.checkpoint.dspark_config.ring_pages` pages per request. None for a
+    full-attention draft, and for a window whose ring would not fit one sequence's page table
+    (``build.max_kv_cache_capacity``): no sequence then outgrows the window's reach, so the
+    full per-sequence cache with the graph's window mask is the same attention.
+
+    Raises:
+        BundleError: a sliding ``kv_cache`` record without a positive window or block size.
+    """
+    dspark = manifest.get("dspark") or {}
+    kv = dspark.get("kv_cache") or {}
+    if kv.get("attention") != "sliding":
+        return None
+    window, block = kv.get("sliding_window"), dspark.get("block_size")
+    if not all(isinstance(v, int) and v > 0 for v in (window, block)):
+        raise BundleError(
+            f"manifest.json: dspark.kv_cache.sliding_window {window!r} / dspark.block_size "
+            f"{block!r} are not positive integers; rebuild the bundle with `edgebuild build`"
+        )
+    pages = ring_pages(window, block, limits.page_size)
+    if pages > limits.pages_per_seq:
+        return None
+    return DraftRing(window, pages, limits.page_size)
+
+
+def _role_buffers(
+    manifest: dict, role: str, limits: EngineLimits, kv_pages: int | None = None
+) -> list[BufferSpec]:
+    """``kv_pages``: pages of the role's KV pools when not the ``num_pages`` axis' largest."""
     io, profiles = role_io(manifest, role), role_profiles(manifest, role)
     axes = axis_maxima(io, profiles)
     out = []
     for desc in io.inputs:
         shape = max_shape(desc, axes)
+        if kv_pages is not None and desc.name.startswith(KV_INPUT):
+            shape = (kv_pages, *shape[1:])
         out.append(BufferSpec(role, desc.name, desc.dtype, shape))
         if desc.name in HOST_INPUTS:
             out.append(BufferSpec(role, desc.name, desc.dtype, shape, "host"))
@@ -341,6 +385,8 @@ def _role_buffers(manifest: dict, role: str, limits: EngineLimits) -> list[Buffe
                 f"manifest.json: {role} output '{desc.name}' has axes {missing} that no input has"
             )
         shape = max_shape(desc, axes)
+        if kv_pages is not None and desc.name.startswith(KV_OUTPUT):
+            shape = (kv_pages, *shape[1:])
         if desc.name.startswith(KV_OUTPUT):
             alias = KV_INPUT + desc.name[len(KV_OUTPUT) :]
             out.append(BufferSpec(role, desc.name, desc.dtype, shape, alias_of=alias))
@@ -362,9 +408,17 @@ def plan_buffers(manifest: dict) -> BufferPlan:
     """
     limits = EngineLimits.from_manifest(manifest)
     plan = BufferPlan(limits)
+    roles = manifest.get("roles") or {}
+    if "draft" in roles:
+        plan.draft_ring = draft_ring(manifest, limits)
+        plan.draft_pages = limits.num_pages
+        if plan.draft_ring is not None:  # whole rings, as many as the pool's pages hold
+            rings = max(limits.max_batch, limits.num_pages // plan.draft_ring.pages)
+            plan.draft_pages = rings * plan.draft_ring.pages
     for role in ("base", "draft", "visual"):
-        if role in (manifest.get("roles") or {}):
-            plan.buffers += _role_buffers(manifest, role, limits)
+        if role in roles:
+            pages = plan.draft_pages if role == "draft" and plan.draft_ring else None
+            plan.buffers += _role_buffers(manifest, role, limits, pages)
     return plan
 
 

@@ -50,6 +50,16 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
     "--max-kv-cache-capacity", default=16384, type=int, help="KV rows shared by all requests."
 )
 @click.option(
+    "--max-draft-kv-cache-capacity",
+    default=None,
+    type=int,
+    help="KV rows of the DSpark draft's own context cache, shared by all requests (a "
+    "full-attention draft holds one row per token of each request, a sliding-window draft a "
+    "fixed ring per request); admission and preemption count it beside the target's. "
+    "Default: --max-kv-cache-capacity. torch backend only: on tensorrt / onnxruntime the "
+    "bundle's buffer plan sizes the draft's pool.",
+)
+@click.option(
     "--max-model-len",
     default=None,
     type=int,

@@ -44,6 +44,10 @@ class ServeConfig:
             (RuntimeOptions.max_kv_rows; one request may use all of it). On the TensorRT
             backend the bundle fixes the limits instead: its build.max_kv_cache_capacity is
             per sequence (RuntimeOptions.max_seq_rows) and the pool is max_batch_size of those.
+        max_draft_kv_cache_capacity: KV rows of the DSpark draft's own context cache
+            (RuntimeOptions.max_draft_kv_rows; ``--max-draft-kv-cache-capacity``). None = as
+            max_kv_cache_capacity. The torch backend's: on tensorrt / onnxruntime the
+            bundle's buffer plan sizes the draft's pool, and a value given there is refused.
         max_model_len: vLLM's ``--max-model-len``: most tokens (prompt + generated) one
             request may reach (RuntimeOptions.max_seq_rows; the TensorRT build's
             per-sequence capacity); prompts are then at most max_model_len - 1 tokens too.
@@ -78,6 +82,7 @@ class ServeConfig:
     max_batch_size: int = 8
     max_input_len: int = 4096
     max_kv_cache_capacity: int = 16384
+    max_draft_kv_cache_capacity: int | None = None
     max_model_len: int | None = None
     max_queued_requests: int = 64
     max_request_bytes: int = 16 * 1024 * 1024
@@ -124,6 +129,12 @@ class ServeConfig:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        draft_rows = self.max_draft_kv_cache_capacity
+        if draft_rows is not None and draft_rows < 1:
+            raise ConfigError(
+                f"--max-draft-kv-cache-capacity must be >= 1 KV rows, got {draft_rows} (omit "
+                "it to give the draft as many rows as --max-kv-cache-capacity)"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_queued_requests < 0:
@@ -280,9 +291,18 @@ def load_state(config: ServeConfig, plan: ServePlan | None = None) -> ServeState
     """
     config.validate()
     plan = plan or default_plan(config)
+    draft_rows = config.max_draft_kv_cache_capacity
+    if draft_rows is not None and plan.backend.name != "torch":
+        raise ConfigError(
+            f"--max-draft-kv-cache-capacity {draft_rows}: the {plan.backend.name} backend's "
+            "draft pool is fixed by the bundle's buffer plan (build.max_kv_cache_capacity x "
+            "max_batch_size pages, or whole rings for a sliding-window draft); omit the flag, "
+            "or use --backend torch"
+        )
     set_cpu_threads(config.threads)
     options = RuntimeOptions(
         max_kv_rows=config.max_kv_cache_capacity,
+        max_draft_kv_rows=draft_rows,
         max_input_len=config.input_len,
         max_seq_rows=config.max_model_len,
         dtype=resolve_dtype(config.dtype),
@@ -296,4 +316,9 @@ def load_state(config: ServeConfig, plan: ServePlan | None = None) -> ServeState
         backend=plan.backend.name,
         verify_bundle=plan.verify_bundle,
     )
+    if draft_rows is not None and llm.draft is None:
+        raise ConfigError(
+            f"--max-draft-kv-cache-capacity {draft_rows} sizes the DSpark draft's cache, but "
+            f"{config.model_name} runs without a draft; add --speculative-config or omit it"
+        )
     return ServeState.from_llm(config, llm, plan.backend)
