@@ -9,7 +9,9 @@ output features (q/k/v, gate/up), with the weight reordered once into oneDNN's b
 Why, measured on the 2-core AVX512-BF16 host (bench/README.md): a bf16 ``F.linear`` with one
 row reads its weight at about half the bandwidth of the packed kernel, and ``F.linear``'s
 result for a row changes with the number of rows in the call (above 32 rows in bf16) while the
-packed bf16 kernel's does not up to ``MAX_INVARIANT_ROWS``. Calls with more rows are split into
+packed bf16 kernel's does not up to ``MAX_INVARIANT_ROWS`` (from 2 rows up: on an AMD EPYC
+AVX512-BF16 host oneDNN reduces a lone row in another order, so one row runs as the first
+row of a 2-row call). Calls with more rows are split into
 chunks of at most that many rows, so in bf16 the bits of a row never depend on how many rows
 share a pass (tests/test_batch_invariance.py checks this for every packed shape of the real
 model). fp32 has no row-invariant kernel here (MKL's and oneDNN's fp32 results for a row both
@@ -98,6 +100,7 @@ class PackedLinear:
             raise ValueError(f"PackedLinear: quant {quant!r} is not one of {QUANT_MODES}")
         self.quant = quant
         self.single_row = None
+        self.pad_single = False
         if quant == "int8":
             scale = fused.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
             q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
@@ -112,6 +115,10 @@ class PackedLinear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(fused, 1) if self.packed else fused
         # fp32 is not row-invariant either way: one row is faster through F.linear (MKL gemv)
         self.single_row = fused if self.packed and fused.dtype == torch.float32 else None
+        # bf16: oneDNN may take another reduction order for a 1-row call than for 2..64 rows
+        # (seen on an AMD EPYC AVX512-BF16 host for in=1536: M=1 differs from M>=8 while M=2
+        # equals every M up to 64), so a single row runs as the first row of a 2-row call.
+        self.pad_single = self.packed and fused.dtype == torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -123,6 +130,8 @@ class PackedLinear:
         rows = x2.shape[0]
         if rows == 1 and self.single_row is not None:
             y = F.linear(x2, self.single_row, self.bias)
+        elif rows == 1 and self.pad_single:
+            y = self._mm(x2.repeat(2, 1))[:1]
         elif rows <= MAX_INVARIANT_ROWS:
             y = self._mm(x2)
         else:
