@@ -38,10 +38,14 @@ demo: venv
 	OMP_NUM_THREADS=1 $(EB) run $(EXAMPLE) --chat --prompt "$(DEMO_PROMPT)" --max-tokens 96 \
 		--speculative-config '$(DEMO_SPEC)' --compare
 
+# Two pytest-xdist workers, one test file each at a time (tests/conftest.py locks the shared
+# example preparation and gives each worker its share of the cores); TEST_ARGS= runs serially.
+TEST_ARGS ?= -n 2 --dist loadfile
+
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TEST_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check --fix .

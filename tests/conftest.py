@@ -1,7 +1,14 @@
-"""Shared fixtures: the real SmolLM2-135M example checkpoint (prepared offline, cached)."""
+"""Shared fixtures: the real SmolLM2-135M example checkpoint (prepared offline, cached).
+
+The suite runs in two pytest-xdist workers (``make test``: ``-n 2 --dist loadfile``, one file
+per worker at a time). Fixtures that write a shared place (``examples/``) take a file lock, so
+the first worker prepares and the other waits and reuses; everything else lives under the
+worker's own ``tmp_path_factory``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -9,6 +16,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under xdist, each worker's torch gets its share of the cores (2 workers on 2 cores: one
+    thread each) instead of all of them: oversubscribed OpenMP threads spin and slow both."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_the_cores_between_workers()
+
+
+def _examples_lock(name: str):
+    """An exclusive lock on ``examples/.<name>.lock`` (xdist workers prepare one at a time)."""
+    try:
+        from filelock import FileLock  # a dependency of huggingface_hub
+    except ImportError:  # pragma: no cover - huggingface_hub always brings it
+        return contextlib.nullcontext()
+    (ROOT / "examples").mkdir(exist_ok=True)
+    return FileLock(str(ROOT / "examples" / f".{name}.lock"))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -33,7 +63,8 @@ def smollm2_dir() -> Path:
     from edgebuild.example import prepare_smollm2
 
     try:
-        return prepare_smollm2(ROOT / "examples" / "smollm2-135m")
+        with _examples_lock("smollm2-135m"):
+            return prepare_smollm2(ROOT / "examples" / "smollm2-135m")
     except MissingDependencyError as exc:
         pytest.skip(f"example model unavailable: {exc}")
 
@@ -52,7 +83,8 @@ def nvfp4_dir(smollm2_dir) -> Path:
     pytest.importorskip("modelopt.torch.quantization")
     from edgebuild.example import nvfp4_dir_for, prepare_smollm2_nvfp4
 
-    return prepare_smollm2_nvfp4(smollm2_dir, nvfp4_dir_for(smollm2_dir))
+    with _examples_lock("smollm2-135m-nvfp4"):
+        return prepare_smollm2_nvfp4(smollm2_dir, nvfp4_dir_for(smollm2_dir))
 
 
 @pytest.fixture(scope="session")

@@ -184,10 +184,8 @@ EXAMPLE_PROMPTS = [
 
 
 @pytest.mark.slow
-def test_the_example_bundle_on_onnxruntime_equals_the_torch_backend(tmp_path_factory):
-    example = ROOT / "examples" / "smollm2-135m"
-    if not (example / "model.safetensors").is_file():
-        pytest.skip("examples/smollm2-135m is not prepared (edgebuild example)")
+def test_the_example_bundle_on_onnxruntime_equals_the_torch_backend(smollm2_dir, tmp_path_factory):
+    example = smollm2_dir  # prepared on first use (never skipped for want of a prior test)
     draft = ROOT / "edgebuild" / "data" / "smollm2-135m-dspark"
     limits = dict(max_batch_size=2, max_input_len=32, max_kv_cache_capacity=64, page_size=16)
     bundle = build_fp32(example, draft, tmp_path_factory.mktemp("ex") / "bundle", **limits)
