@@ -30,6 +30,8 @@ from edgebuild.serve.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     Usage,
 )
 from edgebuild.serve.scheduler import Event, Ticket
@@ -115,11 +117,13 @@ async def collect(tickets: list[Ticket], request: Request) -> list[Event]:
     watcher = asyncio.ensure_future(watch_disconnect(request, tickets))
     done: list[Event | None] = [None] * len(tickets)
     entries: list[list[dict]] = [[] for _ in tickets]
+    prompt: list[list[dict] | None] = [None] * len(tickets)
     try:
         async for i, ev in merged(tickets):
             entries[i].extend(ev.logprobs)
+            prompt[i] = ev.prompt_logprobs if ev.prompt_logprobs is not None else prompt[i]
             if ev.kind == "done":
-                ev.logprobs = entries[i]
+                ev.logprobs, ev.prompt_logprobs = entries[i], prompt[i]
                 done[i] = ev
             elif ev.kind == "error":
                 raise APIError(ev.status, ev.message, None, ev.code, ev.retry_after)
@@ -146,10 +150,38 @@ def _message(ev: Event, tools: bool) -> tuple[AssistantMessage, str | None]:
     return AssistantMessage(content=ev.final_text), ev.finish_reason
 
 
+def prompt_logprobs_of(entries: list[dict] | None, k: int | None) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` from the scheduler's prompt entries
+    (:class:`edgebuild.serve.scheduler.Event`): per token after the first, the prompt token
+    and its ``k`` most likely alternatives (ranks 1..k), keyed by token id."""
+    if k is None or entries is None:
+        return None
+    out: PromptLogprobs = []
+    for e in entries:
+        if e["logprob"] is None:
+            out.append(None)
+            continue
+        d = {str(e["token_id"]): PromptLogprob(logprob=e["logprob"], rank=e["rank"],
+                                               decoded_token=e["token"])}  # fmt: skip
+        for r, t in enumerate(e["top_logprobs"][:k]):
+            d.setdefault(
+                str(t["token_id"]),
+                PromptLogprob(logprob=t["logprob"], rank=r + 1, decoded_token=t["token"]),
+            )
+        out.append(d)
+    return out
+
+
 def chat_response(
-    events: list[Event], request_id: str, model: str, logprobs: bool = False, tools=False
+    events: list[Event],
+    request_id: str,
+    model: str,
+    logprobs: bool = False,
+    tools=False,
+    prompt_logprobs: int | None = None,
 ) -> ChatCompletionResponse:
-    """The non-streamed chat completion of a finished request (one choice per event)."""
+    """The non-streamed chat completion of a finished request (one choice per event;
+    ``prompt_logprobs``: that many alternatives per prompt token, vLLM's field)."""
     choices = []
     for i, ev in enumerate(events):
         message, finish = _message(ev, tools)
@@ -161,7 +193,13 @@ def chat_response(
                 logprobs=_chat_logprobs(ev, logprobs),
             )
         )
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(events))
+    return ChatCompletionResponse(
+        id=request_id,
+        model=model,
+        choices=choices,
+        usage=_usage(events),
+        prompt_logprobs=prompt_logprobs_of(events[0].prompt_logprobs, prompt_logprobs),
+    )
 
 
 def tool_call_deltas(calls: list[dict]) -> list[dict]:
@@ -182,22 +220,65 @@ class CompletionLogprobsBuilder:
     def __init__(self, offset: int = 0):
         self.offset = offset
 
-    def __call__(self, entries: list[dict]) -> CompletionLogprobs:
+    def __call__(self, entries: list[dict], top: int | None = None) -> CompletionLogprobs:
+        """The object of ``entries`` (``top``: alternatives kept per token, all if None;
+        a prompt's first entry has a null logprob and null alternatives, as in OpenAI)."""
         out = CompletionLogprobs()
         for e in entries:
             out.tokens.append(e["token"])
             out.token_logprobs.append(e["logprob"])
-            out.top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+            alts = e["top_logprobs"][:top]
+            first = e["logprob"] is None
+            out.top_logprobs.append(None if first else {t["token"]: t["logprob"] for t in alts})
             out.text_offset.append(self.offset)
             self.offset += len(e["token"])
         return out
 
+    def echoed(self, entries: list[dict], top: int, echo: str) -> CompletionLogprobs:
+        """The prompt's entries (offsets from 0); the output's offsets then start at the
+        end of the echoed text."""
+        self.offset = 0
+        out = self(entries, top)
+        self.offset = len(echo)
+        return out
+
+
+def _merge(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    """The entries of `a`, then those of `b`."""
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
+def _completion_logprobs(
+    ev: Event, logprobs: int | None, echo: str, echo_logprobs: bool
+) -> CompletionLogprobs | None:
+    """The whole ``logprobs`` object of a finished choice (the prompt's entries first
+    with ``echo_logprobs``)."""
+    if logprobs is None:
+        return None
+    builder = CompletionLogprobsBuilder(len(echo))
+    if not echo_logprobs:
+        return builder(ev.logprobs)
+    head = builder.echoed(ev.prompt_logprobs or [], logprobs, echo)
+    return _merge(head, builder(ev.logprobs))
+
 
 def completion_response(
-    events: list[Event], request_id: str, model: str, logprobs: bool = False, echo: str = ""
+    events: list[Event],
+    request_id: str,
+    model: str,
+    logprobs: int | None = None,
+    echo: str = "",
+    echo_logprobs: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> CompletionResponse:
     """The non-streamed text completion of a finished request (``echo``: the prompt text,
-    put before each choice's text)."""
+    put before each choice's text; ``echo_logprobs``: the prompt's tokens lead
+    ``logprobs``; ``prompt_logprobs``: vLLM's field, that many alternatives per token)."""
     return CompletionResponse(
         id=request_id,
         model=model,
@@ -206,7 +287,8 @@ def completion_response(
                 index=i,
                 text=echo + ev.final_text,
                 finish_reason=ev.finish_reason,
-                logprobs=CompletionLogprobsBuilder(len(echo))(ev.logprobs) if logprobs else None,
+                logprobs=_completion_logprobs(ev, logprobs, echo, echo_logprobs),
+                prompt_logprobs=prompt_logprobs_of(ev.prompt_logprobs, prompt_logprobs),
             )
             for i, ev in enumerate(events)
         ],
@@ -276,15 +358,21 @@ async def completion_stream(
     request_id: str,
     model: str,
     include_usage: bool,
-    logprobs: bool = False,
+    logprobs: int | None = None,
     echo: str = "",
+    echo_logprobs: bool = False,
 ) -> AsyncIterator[str]:
-    """SSE chunks of a streamed text completion (one choice per ticket; ``echo`` first)."""
+    """SSE chunks of a streamed text completion (one choice per ticket; ``echo`` first:
+    with ``echo_logprobs`` each choice's echo chunk carries the prompt's entries, so it
+    goes out once the prompt is prefilled)."""
     created = int(time.time())
     builders = [CompletionLogprobsBuilder(len(echo)) for _ in tickets]
 
     def chunk(i: int, text: str, finish=None, entries=None) -> str:
-        lp = builders[i](entries or []) if logprobs and entries is not None else None
+        lp = builders[i](entries or []) if logprobs is not None and entries is not None else None
+        return _completion_chunk(i, text, finish, lp)
+
+    def _completion_chunk(i: int, text: str, finish, lp) -> str:
         choice = CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)
         return _chunk(
             CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
@@ -292,13 +380,16 @@ async def completion_stream(
 
     done: list[Event] = []
     try:
-        if echo:
+        if echo and not echo_logprobs:
             for i in range(len(tickets)):
                 yield chunk(i, echo)
         async for i, ev in merged(tickets, request.is_disconnected):
             if ev.kind == "error":
                 yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
+            if echo_logprobs and ev.prompt_logprobs is not None:
+                head = builders[i].echoed(ev.prompt_logprobs, logprobs, echo)
+                yield _completion_chunk(i, echo, None, head)
             if ev.kind == "token":
                 yield chunk(i, ev.text, entries=ev.logprobs)
             else:
