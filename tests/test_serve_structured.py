@@ -124,6 +124,93 @@ def test_a_draft_cut_by_the_grammar_counts_as_rejected():
     assert seen_cut == {1} and seen_plain == {0, 1}
 
 
+class _StubMask:
+    """A grammar over V = 5 for the draft's walk: first {1, 2, 4}; after 1: {2, 3}, else
+    {3, 4} (a DraftMask's interface)."""
+
+    def __init__(self):
+        self.path: list[int] = []
+
+    @staticmethod
+    def allowed_after(path: list[int]) -> set[int]:
+        return {1, 2, 4} if not path else ({2, 3} if path[0] == 1 else {3, 4})
+
+    def allowed(self, ids):
+        return torch.tensor([int(i) in self.allowed_after(self.path) for i in ids])
+
+    def accept(self, token):
+        self.path.append(int(token))
+        return True
+
+
+def _masked_logits(path: list[int], raw: torch.Tensor) -> torch.Tensor:
+    """Target logits [3, 5] of a block after `path` (drafts), the grammar's -inf applied."""
+    out = raw.clone()
+    for i in range(3):
+        ban = [t for t in range(5) if t not in _StubMask.allowed_after(path[:i])]
+        out[i, ban] = float("-inf")
+    return out
+
+
+def test_the_masked_draft_is_grammatical_and_sampled_output_keeps_the_target_law():
+    """Draft-side masking (runtime/structured.py DraftMask): the walk draws only allowed
+    candidates, q is the softmax over them (hand-computed), and with that q the verifier's
+    first two committed tokens follow the masked target chain p0(x1) p1(x2 | x1)."""
+    from edgebuild.runtime.markov_walk import walk_lattice
+
+    batch, g0 = 8000, torch.Generator().manual_seed(0)
+    cand = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])  # [n=2, K=4]
+    scores = torch.randn(2, 4, 4, generator=g0)  # [n, K(prev), K]
+    raw = torch.randn(3, 5, generator=g0)  # the target's raw rows (the same for every path)
+    params = [SamplingParams(temperature=1.0, max_tokens=8)] * batch
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+    masks = [_StubMask() for _ in range(batch)]
+    props = walk_lattice(
+        cand.expand(batch, -1, -1), scores.expand(batch, -1, -1, -1), None, [2] * batch,
+        params, gens, masks,
+    )  # fmt: skip
+    first = torch.full((4,), float("-inf"))
+    first[[1, 2]] = scores[0, 0, [1, 2]]
+    for p, m in zip(props[:50], masks, strict=False):
+        assert p.tokens == m.path and p.tokens[0] in {1, 2, 4} and len(p.tokens) == 2
+        assert p.tokens[1] in _StubMask.allowed_after(p.tokens[:1])
+        torch.testing.assert_close(p.q[0], torch.softmax(first, -1))  # 4 is no candidate
+    logits = [_masked_logits(p.tokens, raw) for p in props]
+    verdicts = verify_batch(logits, props, params, gens)
+    committed = [v.tokens(p.tokens) for v, p in zip(verdicts, props, strict=True)]
+    p0 = torch.softmax(_masked_logits([], raw)[0], -1)
+    x1 = torch.bincount(torch.tensor([c[0] for c in committed]), minlength=5) / batch
+    assert (x1 - p0).abs().sum() < 0.05  # total variation (n = 8000: ~0.02 expected)
+    for a in (1, 2):  # given the first draft a accepted, the next token ~ p1(. | a)
+        nxt = [c[1] for c in committed if len(c) > 1 and c[0] == a]
+        p1 = torch.softmax(_masked_logits([a], raw)[1], -1)
+        got = torch.bincount(torch.tensor(nxt), minlength=5) / len(nxt)
+        assert len(nxt) > 500 and (got - p1).abs().sum() < 0.1
+
+
+def test_constrained_dspark_drafts_only_grammatical_tokens(dspark_llm, smollm2_llm, monkeypatch):
+    """With the draft masked, the matcher never cuts a DSpark block (every draft is allowed)
+    and the output equals constrained target-only (tau: bench/grammar_mask.py)."""
+    from edgebuild.runtime.structured import GrammarSpec, RequestGrammar
+
+    walks = []
+    real = RequestGrammar.walk
+
+    def spy(self, drafts):
+        k = real(self, drafts)
+        walks.append((len(drafts), k))
+        return k
+
+    monkeypatch.setattr(RequestGrammar, "walk", spy)
+    schema = json.dumps(Person.model_json_schema())
+    params = SamplingParams(max_tokens=24, grammar=GrammarSpec("json_schema", schema))
+    ids = dspark_llm.encode_messages([{"role": "user", "content": PROMPTS[0]}])
+    st = dspark_llm.generate_ids([ids], params)[0]
+    assert walks and all(k == n for n, k in walks)
+    assert sum(st.metrics.proposed_at) > 0  # drafts were made (and were all grammatical)
+    assert st.output_ids == smollm2_llm.generate_ids([ids], params)[0].output_ids
+
+
 # ---------------------------------------------------------------------- tool calls
 WEATHER = {
     "type": "function",

@@ -538,13 +538,22 @@ class DSparkDecoder(TargetOnlyDecoder):
         # Budget: a step commits n+1 tokens at most, so never draft past the remaining budget.
         if counts is None:
             counts = [max(0, min(self.n, s.remaining - 1)) for s in live]
-        proposals = self.draft.propose(
-            [s.draft_seq for s in live],
-            [s.anchor for s in live],
-            counts,
-            [s.params for s in live],
-            [s.generator for s in live],
-        )
+        # the drafts of a request with a grammar are drawn under its mask (runtime/structured.py)
+        masks = [None if s.grammar is None else s.grammar.draft_mask() for s in live]
+        kw = {"constraints": masks} if any(m is not None for m in masks) else {}
+        try:
+            proposals = self.draft.propose(
+                [s.draft_seq for s in live],
+                [s.anchor for s in live],
+                counts,
+                [s.params for s in live],
+                [s.generator for s in live],
+                **kw,
+            )
+        finally:
+            for m in masks:
+                if m is not None:
+                    m.release()
         if self.threshold > 0:
             proposals = [self._cutoff(p) for p in proposals]
         proposals = [  # the grammar's masks of the rows to verify; refused drafts cut
