@@ -13,6 +13,7 @@ import openai
 import pydantic
 import pytest
 import torch
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from serve_fixtures import serving, torch_threads
 
 from edgebuild.runtime.backend import Proposal
@@ -259,7 +260,15 @@ def test_tool_round_trip_call_result_answer(clients, name):
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "get_weather" and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == wcall.function.arguments
+    assert len([d for d in deltas if d.function.arguments]) > 1  # pieces, as generated
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    state = ChatCompletionStreamState()  # the openai client's own accumulation
+    for c in chunks:
+        state.handle_chunk(c)
+    (acc,) = state.get_final_completion().choices[0].message.tool_calls
+    assert acc.function.name == "get_weather" and acc.id == deltas[0].id
+    assert json.loads(acc.function.arguments) == json.loads(wcall.function.arguments)
+    assert acc.function.arguments == wcall.function.arguments
     # the result goes back as role "tool"; the model answers in text
     messages += [
         named.choices[0].message.model_dump(exclude_none=True),
@@ -272,8 +281,8 @@ def test_tool_round_trip_call_result_answer(clients, name):
     assert none.choices[0].message.tool_calls is None
 
 
-def test_tool_call_parsing_and_stream_filter():
-    from edgebuild.serve.tools import ToolStreamFilter, parse_tool_calls
+def test_tool_call_parsing_and_incremental_stream():
+    from edgebuild.serve.tools import ToolCallStream, parse_tool_calls
 
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "g"}</tool_call>'
     content, calls = parse_tool_calls(text)
@@ -286,9 +295,25 @@ def test_tool_call_parsing_and_stream_filter():
         "<tool_call>not json</tool_call>",
         [],
     )
-    f = ToolStreamFilter()
-    sent = [f.feed(d) for d in ["Hello <", "tool", "_call>{", '"name": "f"}</tool_call>']]
-    assert sent == ["Hello ", "", "", ""]
-    assert f.held == '<tool_call>{"name": "f"}</tool_call>'
-    g = ToolStreamFilter()
-    assert [g.feed(d) for d in ["a <t", "x> d", " <b"]] == ["a ", "<tx> d", " <b"]
+    # the stream: content as it comes, the call's name once complete, then its arguments
+    # in the pieces the model wrote; concatenated == parse_tool_calls of the whole text
+    text = 'Hi <tool_call>\n{"name": "f", "arguments": {"x": [1, "}"], "y": 2}}\n</tool_call> ok'
+    s = ToolCallStream()
+    pieces = [p for i in range(0, len(text), 3) for p in s.feed(text[i : i + 3])] + s.finish()
+    content = "".join(p.get("content", "") for p in pieces)
+    deltas = [d for p in pieces for d in p.get("tool_calls", [])]
+    assert content == "Hi  ok" and deltas[0]["function"]["name"] == "f"
+    args = "".join(d["function"]["arguments"] for d in deltas)
+    assert len([d for d in deltas if d["function"]["arguments"]]) > 3
+    assert (
+        args == parse_tool_calls(text)[1][0]["function"]["arguments"] == '{"x": [1, "}"], "y": 2}'
+    )
+    assert {d["index"] for d in deltas} == {0}
+    # no arguments key: the whole call at the block's end; not JSON: content, as non-streamed
+    s = ToolCallStream()
+    out = s.feed('<tool_call>{"name": "g"}</tool_call><tool_call>nope</tool_call> <tool_c')
+    assert [d["function"]["arguments"] for d in out[0]["tool_calls"]] == ["", "{}"]
+    assert out[1] == {"content": "<tool_call>nope</tool_call> "}
+    assert s.finish() == [{"content": "<tool_c"}] and s.calls == 1
+    s = ToolCallStream()
+    assert s.feed("a <t") == [{"content": "a "}] and s.feed("x> d") == [{"content": "<tx> d"}]

@@ -35,7 +35,7 @@ from edgebuild.serve.protocol import (
     Usage,
 )
 from edgebuild.serve.scheduler import Event, Ticket
-from edgebuild.serve.tools import ToolStreamFilter, parse_tool_calls
+from edgebuild.serve.tools import ToolCallStream, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -202,17 +202,6 @@ def chat_response(
     )
 
 
-def tool_call_deltas(calls: list[dict]) -> list[dict]:
-    """OpenAI's streamed tool-call deltas of `calls`: per call, one delta with its index,
-    id, type and name (empty arguments), then one with the arguments."""
-    out = []
-    for k, c in enumerate(calls):
-        head = {"name": c["function"]["name"], "arguments": ""}
-        out.append({"index": k, "id": c["id"], "type": "function", "function": head})
-        out.append({"index": k, "function": {"arguments": c["function"]["arguments"]}})
-    return out
-
-
 class CompletionLogprobsBuilder:
     """The legacy completions ``logprobs`` object of one choice, built chunk by chunk
     (``text_offset`` continues across chunks, from the echoed prompt's length)."""
@@ -306,8 +295,9 @@ async def chat_stream(
     tools: bool = False,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed chat completion (one choice per ticket). With ``tools``,
-    text that may start a ``<tool_call>`` block is held back; at the end of the choice its
-    calls go out as tool-call deltas (:func:`tool_call_deltas`), the rest as content."""
+    ``<tool_call>`` blocks go out as OpenAI tool-call deltas, their arguments piece by piece
+    as they are generated (:class:`edgebuild.serve.tools.ToolCallStream`), the rest as
+    content; a choice that made calls finishes with ``tool_calls``."""
     created = int(time.time())
 
     def chunk(i: int, delta: DeltaMessage, finish=None, lp=None) -> str:
@@ -317,7 +307,7 @@ async def chat_stream(
         )
 
     done: list[Event] = []
-    filters = [ToolStreamFilter() if tools else None for _ in tickets]
+    streams = [ToolCallStream() if tools else None for _ in tickets]
     try:
         for i in range(len(tickets)):
             yield chunk(i, DeltaMessage(role="assistant", content=""))
@@ -325,21 +315,20 @@ async def chat_stream(
             if ev.kind == "error":
                 yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
-            text = ev.text if filters[i] is None else filters[i].feed(ev.text)
-            if text or ev.logprobs:
-                yield chunk(i, DeltaMessage(content=text), lp=_chat_logprobs(ev, logprobs))
+            calls = streams[i]
+            pieces = [{"content": ev.text}] if calls is None else calls.feed(ev.text)
+            if ev.kind == "done" and calls is not None:
+                pieces += calls.finish()
+            lp = _chat_logprobs(ev, logprobs) if ev.logprobs else None
+            if lp is not None and not pieces:
+                pieces = [{"content": ""}]  # the entries of tokens held back
+            for k, piece in enumerate(pieces):
+                if piece.get("content") == "" and lp is None:
+                    continue
+                yield chunk(i, DeltaMessage(**piece), lp=lp if k == 0 else None)
             if ev.kind == "done":
                 done.append(ev)
-                finish = ev.finish_reason
-                if filters[i] is not None and filters[i].held:
-                    content, calls = parse_tool_calls(filters[i].held)
-                    if content and not calls:
-                        content = filters[i].held  # no call in it: the text as it was
-                    if content:
-                        yield chunk(i, DeltaMessage(content=content))
-                    if calls:
-                        yield chunk(i, DeltaMessage(tool_calls=tool_call_deltas(calls)))
-                        finish = "tool_calls"
+                finish = "tool_calls" if calls is not None and calls.calls else ev.finish_reason
                 yield chunk(i, DeltaMessage(), finish)
         if include_usage and len(done) == len(tickets):
             usage = ChatCompletionChunk(
