@@ -405,13 +405,11 @@ async def chat_completions(request: Request):
     params = choice_params(params, req.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tickets = state.scheduler.submit_choices(ids, params, rid, images=images)
-    lp, tools = bool(req.logprobs), req.uses_tools
     if req.stream:
-        stream = chat_stream(tickets, request, rid, model, req.include_usage, lp, tools)
+        stream = chat_stream(tickets, request, rid, model, req)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     events = await collect(tickets, request)
-    response = chat_response(events, rid, model, lp, tools, req.prompt_logprobs)
-    return response.model_dump(exclude_none=False)
+    return chat_response(events, rid, model, req).model_dump(exclude_none=False)
 
 
 @v1.post("/completions", **_body(CompletionRequest, CompletionResponse, CompletionResponse))
@@ -433,15 +431,11 @@ async def completions(request: Request):
             else await tokenize(state, state.llm.tokenizer.decode, ids)
         )
     tickets = state.scheduler.submit_choices(ids, params, rid)
-    lp, echo_lp = req.logprobs, req.echo_logprobs
     if req.stream:
-        stream = completion_stream(
-            tickets, request, rid, model, req.include_usage, lp, echo, echo_lp
-        )
+        stream = completion_stream(tickets, request, rid, model, req, echo)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     events = await collect(tickets, request)
-    response = completion_response(events, rid, model, lp, echo, echo_lp, req.prompt_logprobs)
-    return response.model_dump()
+    return completion_response(events, rid, model, req, echo).model_dump()
 
 
 async def health(request: Request):

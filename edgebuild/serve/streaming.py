@@ -24,10 +24,12 @@ from edgebuild.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     PromptLogprob,
@@ -63,6 +65,31 @@ def _usage(events: list[Event]) -> Usage:
         sum(ev.completion_tokens for ev in events),
         min(ev.cached_tokens for ev in events),
     )
+
+
+class _Chunks:
+    """The SSE lines of one stream, chunks of type `kind` (ChatCompletionChunk or
+    CompletionResponse) with the stream's id, model and creation time."""
+
+    def __init__(self, kind, request_id: str, model: str):
+        self.kind, self.request_id, self.model = kind, request_id, model
+        self.created = int(time.time())
+
+    def of(self, choice) -> str:
+        """A chunk carrying one choice."""
+        return _chunk(self._make([choice]))
+
+    def end(self, done: list[Event], n: int, include_usage: bool) -> list[str]:
+        """The last lines: the usage chunk (empty ``choices``; when asked for and all `n`
+        choices finished), then ``data: [DONE]``."""
+        out = [_chunk(self._make([], _usage(done)))] if include_usage and len(done) == n else []
+        return [*out, DONE]
+
+    def _make(self, choices: list, usage: Usage | None = None):
+        return self.kind(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=usage,
+        )  # fmt: skip
 
 
 async def watch_disconnect(request: Request, tickets: list[Ticket]) -> None:
@@ -173,15 +200,11 @@ def prompt_logprobs_of(entries: list[dict] | None, k: int | None) -> PromptLogpr
 
 
 def chat_response(
-    events: list[Event],
-    request_id: str,
-    model: str,
-    logprobs: bool = False,
-    tools=False,
-    prompt_logprobs: int | None = None,
+    events: list[Event], request_id: str, model: str, req: ChatCompletionRequest
 ) -> ChatCompletionResponse:
-    """The non-streamed chat completion of a finished request (one choice per event;
-    ``prompt_logprobs``: that many alternatives per prompt token, vLLM's field)."""
+    """The non-streamed chat completion of a finished request (one choice per event; the
+    ``logprobs``, tools and ``prompt_logprobs`` that `req` asks for)."""
+    logprobs, tools = bool(req.logprobs), req.uses_tools
     choices = []
     for i, ev in enumerate(events):
         message, finish = _message(ev, tools)
@@ -198,7 +221,7 @@ def chat_response(
         model=model,
         choices=choices,
         usage=_usage(events),
-        prompt_logprobs=prompt_logprobs_of(events[0].prompt_logprobs, prompt_logprobs),
+        prompt_logprobs=prompt_logprobs_of(events[0].prompt_logprobs, req.prompt_logprobs),
     )
 
 
@@ -242,32 +265,24 @@ def _merge(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
     )
 
 
-def _completion_logprobs(
-    ev: Event, logprobs: int | None, echo: str, echo_logprobs: bool
-) -> CompletionLogprobs | None:
+def _completion_logprobs(ev: Event, req: CompletionRequest, echo: str) -> CompletionLogprobs | None:
     """The whole ``logprobs`` object of a finished choice (the prompt's entries first
-    with ``echo_logprobs``)."""
-    if logprobs is None:
+    with ``echo`` + ``logprobs``)."""
+    if req.logprobs is None:
         return None
     builder = CompletionLogprobsBuilder(len(echo))
-    if not echo_logprobs:
+    if not req.echo_logprobs:
         return builder(ev.logprobs)
-    head = builder.echoed(ev.prompt_logprobs or [], logprobs, echo)
+    head = builder.echoed(ev.prompt_logprobs or [], req.logprobs, echo)
     return _merge(head, builder(ev.logprobs))
 
 
 def completion_response(
-    events: list[Event],
-    request_id: str,
-    model: str,
-    logprobs: int | None = None,
-    echo: str = "",
-    echo_logprobs: bool = False,
-    prompt_logprobs: int | None = None,
+    events: list[Event], request_id: str, model: str, req: CompletionRequest, echo: str = ""
 ) -> CompletionResponse:
     """The non-streamed text completion of a finished request (``echo``: the prompt text,
-    put before each choice's text; ``echo_logprobs``: the prompt's tokens lead
-    ``logprobs``; ``prompt_logprobs``: vLLM's field, that many alternatives per token)."""
+    put before each choice's text; with ``logprobs`` too, the prompt's tokens lead
+    ``logprobs``; ``prompt_logprobs``: vLLM's field)."""
     return CompletionResponse(
         id=request_id,
         model=model,
@@ -276,8 +291,8 @@ def completion_response(
                 index=i,
                 text=echo + ev.final_text,
                 finish_reason=ev.finish_reason,
-                logprobs=_completion_logprobs(ev, logprobs, echo, echo_logprobs),
-                prompt_logprobs=prompt_logprobs_of(ev.prompt_logprobs, prompt_logprobs),
+                logprobs=_completion_logprobs(ev, req, echo),
+                prompt_logprobs=prompt_logprobs_of(ev.prompt_logprobs, req.prompt_logprobs),
             )
             for i, ev in enumerate(events)
         ],
@@ -290,21 +305,17 @@ async def chat_stream(
     request: Request,
     request_id: str,
     model: str,
-    include_usage: bool,
-    logprobs: bool = False,
-    tools: bool = False,
+    req: ChatCompletionRequest,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed chat completion (one choice per ticket). With ``tools``,
     ``<tool_call>`` blocks go out as OpenAI tool-call deltas, their arguments piece by piece
     as they are generated (:class:`edgebuild.serve.tools.ToolCallStream`), the rest as
     content; a choice that made calls finishes with ``tool_calls``."""
-    created = int(time.time())
+    lines = _Chunks(ChatCompletionChunk, request_id, model)
+    logprobs, tools = bool(req.logprobs), req.uses_tools
 
     def chunk(i: int, delta: DeltaMessage, finish=None, lp=None) -> str:
-        choice = ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp)
-        return _chunk(
-            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
-        )
+        return lines.of(ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp))
 
     done: list[Event] = []
     streams = [ToolCallStream() if tools else None for _ in tickets]
@@ -330,12 +341,8 @@ async def chat_stream(
                 done.append(ev)
                 finish = "tool_calls" if calls is not None and calls.calls else ev.finish_reason
                 yield chunk(i, DeltaMessage(), finish)
-        if include_usage and len(done) == len(tickets):
-            usage = ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=[], usage=_usage(done)
-            )
-            yield _chunk(usage)
-        yield DONE
+        for line in lines.end(done, len(tickets), req.include_usage):
+            yield line
     finally:
         for ticket in tickets:
             ticket.cancel()
@@ -346,15 +353,14 @@ async def completion_stream(
     request: Request,
     request_id: str,
     model: str,
-    include_usage: bool,
-    logprobs: int | None = None,
+    req: CompletionRequest,
     echo: str = "",
-    echo_logprobs: bool = False,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed text completion (one choice per ticket; ``echo`` first:
-    with ``echo_logprobs`` each choice's echo chunk carries the prompt's entries, so it
-    goes out once the prompt is prefilled)."""
-    created = int(time.time())
+    with ``logprobs`` too each choice's echo chunk carries the prompt's entries, so it goes
+    out once the prompt is prefilled)."""
+    logprobs, echo_logprobs = req.logprobs, req.echo_logprobs
+    lines = _Chunks(CompletionResponse, request_id, model)
     builders = [CompletionLogprobsBuilder(len(echo)) for _ in tickets]
 
     def chunk(i: int, text: str, finish=None, entries=None) -> str:
@@ -362,10 +368,7 @@ async def completion_stream(
         return _completion_chunk(i, text, finish, lp)
 
     def _completion_chunk(i: int, text: str, finish, lp) -> str:
-        choice = CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)
-        return _chunk(
-            CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
-        )
+        return lines.of(CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp))
 
     done: list[Event] = []
     try:
@@ -384,12 +387,8 @@ async def completion_stream(
             else:
                 done.append(ev)
                 yield chunk(i, ev.text, ev.finish_reason, ev.logprobs)
-        if include_usage and len(done) == len(tickets):
-            usage = CompletionResponse(
-                id=request_id, created=created, model=model, choices=[], usage=_usage(done)
-            )
-            yield _chunk(usage)
-        yield DONE
+        for line in lines.end(done, len(tickets), req.include_usage):
+            yield line
     finally:
         for ticket in tickets:
             ticket.cancel()
