@@ -240,7 +240,9 @@ class TorchDraft:
         small = lattice_bytes(*h.shape[:2], k_cand, h.shape[-1]) <= LATTICE_MAX_BYTES
         if k_cand < vocab and not rnn and small:
             cand, scores, conf = self.model.lattice(h, base, torch.tensor(anchors), k_cand)
-            return walk_lattice(cand, scores, conf, num_tokens, params, generators, constraints)
+            return walk_lattice(
+                cand, scores, conf, num_tokens, params, generators, constraints, base
+            )
         return self._walk_by_token(
             h, base, anchors, num_tokens, params, generators, k_cand, constraints
         )

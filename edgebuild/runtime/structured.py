@@ -14,7 +14,8 @@ are filtered by the matcher's mask after the drafts chosen before it (the matche
 block and then rolls back), so the drafts are grammatical and the block is not cut at the
 first free-text token. A slot where no candidate is allowed ends the block there, before
 anything is drawn for it (a stopping rule that depends only on the earlier drafts, like the
-budget). q is then the masked, renormalised draft distribution, the distribution the token was
+budget); with the draft's base logits on hand (the torch draft) that slot is first drawn from
+the allowed top-k of them, as the block's last draft (:func:`edgebuild.runtime.markov_walk.rescue`). q is then the masked, renormalised draft distribution, the distribution the token was
 really drawn from, and the verifier's acceptance ratio and residual use that same q
 (``Proposal.q``), so the rejection sampler stays exact (Leviathan et al. 2023, section 2.3:
 any q works as long as it is the one sampled from).
