@@ -249,6 +249,12 @@ def test_prompt_logprobs_equal_a_transformers_forward_chunked_and_past_the_cache
     assert [e.rank for e in st.prompt_logprobs[1:]] == ranks.tolist()
     top = torch.tensor([[t for t, _ in e.top] for e in st.prompt_logprobs[1:]])
     assert torch.equal(top, ref.topk(3, dim=-1).indices)
+    # chunked prefill off: still at most prefill_chunk rows of logits a pass, same numbers
+    fp32.set_prefill(PrefillConfig(enable_chunked_prefill=False, prefill_chunk=32))
+    whole = fp32.generate_ids([PROMPT_IDS], SamplingParams(prompt_logprobs=3, **kw))[0]
+    again = torch.tensor([e.logprob for e in whole.prompt_logprobs[1:]])
+    torch.testing.assert_close(again, got, atol=1e-5, rtol=0)
+    assert whole.output_ids == plain.output_ids
 
 
 def test_echo_logprobs_lead_with_the_prompt_streamed_and_not(client, llm):

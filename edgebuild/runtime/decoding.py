@@ -270,11 +270,13 @@ class TargetOnlyDecoder:
         return min(rest, self.prefill_config.prefill_chunk)
 
     def _logits_rows_cap(self) -> int:
-        """Rows whose logits one target call can return per sequence: a TensorRT engine's
-        decode / verify length (its ``logits_rows`` axis), else unbounded. A prompt whose
-        logprobs are asked for is prefilled in chunks of at most this many rows."""
+        """Rows of a prompt whose logprobs are asked for per prefill pass (its logits rows
+        [rows, V] fp32 are held on the host): ``prefill_chunk`` (also with chunked prefill
+        off), and at most a TensorRT engine's decode / verify length (its ``logits_rows``
+        axis: the most logits rows one call returns)."""
         limits = getattr(self.target, "limits", None)  # TensorRT: EngineLimits
-        return limits.verify_len if limits is not None else 1 << 30
+        cap = self.prefill_config.prefill_chunk
+        return min(cap, limits.verify_len) if limits is not None else cap
 
     def first_step_pages(
         self, prompt_ids: list[int], has_images: bool, prompt_logprobs: bool = False
