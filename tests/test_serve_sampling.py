@@ -311,3 +311,22 @@ def test_vllm_prompt_logprobs_on_both_endpoints(client, llm):
             model=MODEL, prompt="t7", max_tokens=2, stream=True, extra_body=body
         )
     assert err.value.body["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprobs_survive_a_preemption_in_the_middle_of_the_prefill(model_dir):
+    from edgebuild.runtime.decoding import run_to_completion
+    from edgebuild.runtime.prefill import PrefillConfig
+
+    options = RuntimeOptions(max_kv_rows=4096, prefill=PrefillConfig(prefill_chunk=32))
+    llm = LLM(model_dir, options=options)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    ref = llm.generate_ids([PROMPT_IDS], params)[0]
+    st = llm.new_request(PROMPT_IDS, params)
+    llm.decoder.step([st])  # the first 32 rows
+    assert len(st.prompt_logprobs) == 1 + 32 and st.anchor is None  # None, then rows 1..32
+    llm.preempt(st)
+    need_t, need_d = llm.step_pages(st)  # its first step again, from row 0 (no cache read)
+    assert (need_t, need_d) == (1, 0)
+    llm.resume(st)
+    run_to_completion(llm.decoder, [st])
+    assert st.prompt_logprobs == ref.prompt_logprobs and st.output_ids == ref.output_ids
