@@ -40,7 +40,7 @@ FIELDS = [
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
     "stream_options", "n", "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "logprobs", "top_logprobs", "tools", "response_format", "echo", "suffix", "best_of",
-    "repetition_penalty", "min_tokens", "min_p",
+    "repetition_penalty", "min_tokens", "min_p", "prompt_logprobs",
 ]  # fmt: skip
 STRINGS = ["", "t7", "t7 t8 t9", "tiny", "hello world", "é😀 中文", "\x00\x1f", "\ud800",
            "\udfff t7", "\ud83d\ude00", "t1", "{\"a\": 1}", "data: [DONE]", "\\", "\n\n"]  # fmt: skip

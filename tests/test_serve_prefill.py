@@ -243,6 +243,8 @@ def test_admission_counts_the_first_chunk_beyond_the_cached_prefix(tiny_llm):
     assert llm.first_step_pages(prompt + [5]) == (1, 0)  # 4 pages shared, rows 128..153
     llm.finish(holder)  # its prompt pages stay cached, evictable
     assert llm.first_step_pages(prompt + [5]) == (1 + 4, 0)
+    # prompt logprobs skip the cache: the first chunk from row 0, no hit pages
+    assert llm.first_step_pages(prompt + [5], prompt_logprobs=True) == (2, 0)
     llm.set_prefill(PrefillConfig(enable_chunked_prefill=False, enable_prefix_caching=False))
     assert llm.first_step_pages(prompt) == (5, 0)  # the whole prompt, no cache
 

@@ -202,3 +202,131 @@ def test_a_grammar_the_vocabulary_cannot_spell_fails_clearly(client, llm):
     text = ok.choices[0].message.content
     assert text.removesuffix(" t2").removesuffix(" t1") in ("t7", "t9"), text
     assert ok.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------------- prompt logprobs
+PROMPT_IDS = [2] + [10 + (i * 7) % 200 for i in range(90)]  # 91 rows: 3 chunks of 32
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(model_dir):
+    """The oracle: log_softmax of a transformers fp32 forward over PROMPT_IDS, [91, V]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([PROMPT_IDS])).logits[0].float(), -1)
+
+
+def test_prompt_logprobs_equal_a_transformers_forward_chunked_and_past_the_cache(
+    llm, model_dir, tmp_path, hf_prompt_logprobs
+):
+    import torch
+
+    from edgebuild.runtime.prefill import PrefillConfig
+
+    options = RuntimeOptions(
+        max_kv_rows=4096, dtype=torch.float32, prefill=PrefillConfig(prefill_chunk=32)
+    )
+    spec = None
+    if llm.speculative:
+        draft = make_random_draft(tmp_path / "d", model_dir, block_size=5)
+        spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 4}
+    fp32 = LLM(model_dir, speculative=spec, options=options)
+    kw = dict(max_tokens=6, ignore_eos=True)
+    plain = fp32.generate_ids([PROMPT_IDS], SamplingParams(**kw))[0]  # caches 2 pages
+    again = fp32.generate_ids([PROMPT_IDS], SamplingParams(**kw))[0]
+    assert again.metrics.cached_prompt_tokens == 64  # the cache is live
+    st = fp32.generate_ids([PROMPT_IDS], SamplingParams(prompt_logprobs=3, **kw))[0]
+    assert st.metrics.cached_prompt_tokens == 0  # skipped: every prompt row computed
+    assert st.output_ids == plain.output_ids
+    ref, nxt = hf_prompt_logprobs[:-1], torch.tensor(PROMPT_IDS[1:])
+    assert st.prompt_logprobs[0] is None and len(st.prompt_logprobs) == len(PROMPT_IDS)
+    got = torch.tensor([e.logprob for e in st.prompt_logprobs[1:]])
+    torch.testing.assert_close(got, ref[torch.arange(90), nxt], atol=1e-4, rtol=0)
+    ranks = (ref > ref[torch.arange(90), nxt][:, None]).sum(-1) + 1
+    assert [e.rank for e in st.prompt_logprobs[1:]] == ranks.tolist()
+    top = torch.tensor([[t for t, _ in e.top] for e in st.prompt_logprobs[1:]])
+    assert torch.equal(top, ref.topk(3, dim=-1).indices)
+    # chunked prefill off: still at most prefill_chunk rows of logits a pass, same numbers
+    fp32.set_prefill(PrefillConfig(enable_chunked_prefill=False, prefill_chunk=32))
+    whole = fp32.generate_ids([PROMPT_IDS], SamplingParams(prompt_logprobs=3, **kw))[0]
+    again = torch.tensor([e.logprob for e in whole.prompt_logprobs[1:]])
+    torch.testing.assert_close(again, got, atol=1e-5, rtol=0)
+    assert whole.output_ids == plain.output_ids
+
+
+def test_echo_logprobs_lead_with_the_prompt_streamed_and_not(client, llm):
+    kw = dict(model=MODEL, prompt="t7 t8 t9", max_tokens=5, temperature=0.0, extra_body=NO_EOS)
+    ids = llm.encode("t7 t8 t9")
+    ref = runtime(llm, ids, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    plain_choice = client.completions.create(logprobs=2, **kw).choices[0]
+    plain = plain_choice.logprobs
+    full = client.completions.create(echo=True, logprobs=2, **kw).choices[0]
+    lp, n = full.logprobs, len(ids)
+    tok = llm.tokenizer
+    assert lp.tokens[:n] == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # OpenAI's shape
+    want = [e.logprob for e in ref.prompt_logprobs[1:]]
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-5)
+    assert [list(d) for d in lp.top_logprobs[1:n]] == [
+        [tok.decode([t]) for t, _ in e.top] for e in ref.prompt_logprobs[1:]
+    ]
+    assert lp.tokens[n:] == plain.tokens and lp.token_logprobs[n:] == plain.token_logprobs
+    assert lp.text_offset[: n + 1] == [0, 2, 4, len("t7 t8 t9")]
+    assert full.text == "t7 t8 t9" + plain_choice.text
+    chunks = list(client.completions.create(echo=True, logprobs=2, stream=True, **kw))
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert parts[0].text == "t7 t8 t9" and parts[0].logprobs.tokens == lp.tokens[:n]
+    assert "".join(p.text for p in parts) == full.text
+    assert [v for p in parts if p.logprobs for v in p.logprobs.token_logprobs] == [
+        *lp.token_logprobs
+    ]
+
+
+def test_vllm_prompt_logprobs_on_both_endpoints(client, llm):
+    ids = llm.encode("t7 t8 t9")
+    ref = runtime(llm, ids, max_tokens=2, prompt_logprobs=1)
+    body = {"prompt_logprobs": 1, "ignore_eos": True}
+    out = client.completions.create(
+        model=MODEL, prompt="t7 t8 t9", max_tokens=2, temperature=0.0, extra_body=body
+    )
+    got = out.choices[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(ids)
+    for d, token, e in zip(got[1:], ids[1:], ref.prompt_logprobs[1:], strict=True):
+        assert d[str(token)]["logprob"] == pytest.approx(e.logprob, abs=1e-5)
+        assert d[str(token)]["rank"] == e.rank
+        best = str(e.top[0][0])
+        assert d[best]["rank"] == 1 and d[best]["decoded_token"] == llm.tokenizer.decode(
+            [e.top[0][0]]
+        )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0.0, extra_body=body
+    )
+    chat_ids = llm.encode_messages(MESSAGES)
+    assert len(chat.prompt_logprobs) == len(chat_ids) and chat.prompt_logprobs[0] is None
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs") as err:
+        client.completions.create(
+            model=MODEL, prompt="t7", max_tokens=2, stream=True, extra_body=body
+        )
+    assert err.value.body["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprobs_survive_a_preemption_in_the_middle_of_the_prefill(model_dir):
+    from edgebuild.runtime.decoding import run_to_completion
+    from edgebuild.runtime.prefill import PrefillConfig
+
+    options = RuntimeOptions(max_kv_rows=4096, prefill=PrefillConfig(prefill_chunk=32))
+    llm = LLM(model_dir, options=options)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    ref = llm.generate_ids([PROMPT_IDS], params)[0]
+    st = llm.new_request(PROMPT_IDS, params)
+    llm.decoder.step([st])  # the first 32 rows
+    assert len(st.prompt_logprobs) == 1 + 32 and st.anchor is None  # None, then rows 1..32
+    llm.preempt(st)
+    need_t, need_d = llm.step_pages(st)  # its first step again, from row 0 (no cache read)
+    assert (need_t, need_d) == (1, 0)
+    llm.resume(st)
+    run_to_completion(llm.decoder, [st])
+    assert st.prompt_logprobs == ref.prompt_logprobs and st.output_ids == ref.output_ids

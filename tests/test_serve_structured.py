@@ -13,6 +13,7 @@ import openai
 import pydantic
 import pytest
 import torch
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from serve_fixtures import serving, torch_threads
 
 from edgebuild.runtime.backend import Proposal
@@ -124,6 +125,101 @@ def test_a_draft_cut_by_the_grammar_counts_as_rejected():
     assert seen_cut == {1} and seen_plain == {0, 1}
 
 
+class _StubMask:
+    """A grammar over V = 5 for the draft's walk: first {1, 2, 4}; after 1: {2, 3}, else
+    {3, 4} (a DraftMask's interface)."""
+
+    def __init__(self):
+        self.path: list[int] = []
+
+    @staticmethod
+    def allowed_after(path: list[int]) -> set[int]:
+        return {1, 2, 4} if not path else ({2, 3} if path[0] == 1 else {3, 4})
+
+    def allowed(self, ids):
+        return torch.tensor([int(i) in self.allowed_after(self.path) for i in ids])
+
+    def accept(self, token):
+        self.path.append(int(token))
+        return True
+
+
+def _masked_logits(path: list[int], raw: torch.Tensor) -> torch.Tensor:
+    """Target logits [3, 5] of a block after `path` (drafts), the grammar's -inf applied."""
+    out = raw.clone()
+    for i in range(3):
+        ban = [t for t in range(5) if t not in _StubMask.allowed_after(path[:i])]
+        out[i, ban] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("rescued", [False, True])
+def test_the_masked_draft_is_grammatical_and_sampled_output_keeps_the_target_law(rescued):
+    """Draft-side masking (runtime/structured.py DraftMask): the walk draws only allowed
+    candidates, q is the softmax over them (hand-computed), and with that q the verifier's
+    first two committed tokens follow the masked target chain p0(x1) p1(x2 | x1).
+    ``rescued``: no slot-0 candidate is allowed, so slot 0 draws from the allowed top-k of
+    the base logits (markov_walk.rescue) and is the block's only draft."""
+    from edgebuild.runtime.markov_walk import walk_lattice
+
+    batch, g0 = 6000, torch.Generator().manual_seed(0)
+    cand = torch.tensor([[0, 3, 0, 3] if rescued else [0, 1, 2, 3], [1, 2, 3, 4]])  # [n, K]
+    scores = torch.randn(2, 4, 4, generator=g0)  # [n, K(prev), K]
+    base = torch.randn(2, 5, generator=g0)  # [n, V] the draft's base logits
+    raw = torch.randn(3, 5, generator=g0)  # the target's raw rows (the same for every path)
+    params = [SamplingParams(temperature=1.0, max_tokens=8)] * batch
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+    masks = [_StubMask() for _ in range(batch)]
+    props = walk_lattice(
+        cand.expand(batch, -1, -1), scores.expand(batch, -1, -1, -1), None, [2] * batch,
+        params, gens, masks, base.expand(batch, -1, -1) if rescued else None,
+    )  # fmt: skip
+    first = torch.full((5,), float("-inf"))  # q of slot 0 over the vocabulary
+    if rescued:  # the allowed tokens {1, 2, 4} by their base logits (4 is now a candidate)
+        first[[1, 2, 4]] = base[0, [1, 2, 4]]
+    else:  # the allowed candidates {1, 2} by their lattice scores (4 is no candidate)
+        first[[1, 2]] = scores[0, 0, [1, 2]]
+    for p, m in zip(props[:50], masks, strict=False):
+        assert p.tokens == m.path and p.tokens[0] in {1, 2, 4}
+        assert len(p.tokens) == (1 if rescued else 2)
+        assert p.tokens[1:] == [] or p.tokens[1] in _StubMask.allowed_after(p.tokens[:1])
+        torch.testing.assert_close(p.dense_q(5)[0], torch.softmax(first, -1))
+    logits = [_masked_logits(p.tokens, raw)[: len(p) + 1] for p in props]  # [n_b + 1, V]
+    verdicts = verify_batch(logits, props, params, gens)
+    committed = [v.tokens(p.tokens) for v, p in zip(verdicts, props, strict=True)]
+    p0 = torch.softmax(_masked_logits([], raw)[0], -1)
+    x1 = torch.bincount(torch.tensor([c[0] for c in committed]), minlength=5) / batch
+    assert (x1 - p0).abs().sum() < 0.05  # total variation (n = 6000: ~0.02 expected)
+    for a in (1, 2):  # given the first draft a accepted, the next token ~ p1(. | a)
+        nxt = [c[1] for c in committed if len(c) > 1 and c[0] == a]
+        p1 = torch.softmax(_masked_logits([a], raw)[1], -1)
+        got = torch.bincount(torch.tensor(nxt), minlength=5) / len(nxt)
+        assert len(nxt) > 500 and (got - p1).abs().sum() < 0.1
+
+
+def test_constrained_dspark_drafts_only_grammatical_tokens(dspark_llm, smollm2_llm, monkeypatch):
+    """With the draft masked, the matcher never cuts a DSpark block (every draft is allowed)
+    and the output equals constrained target-only (tau: bench/grammar_mask.py)."""
+    from edgebuild.runtime.structured import GrammarSpec, RequestGrammar
+
+    walks = []
+    real = RequestGrammar.walk
+
+    def spy(self, drafts):
+        k = real(self, drafts)
+        walks.append((len(drafts), k))
+        return k
+
+    monkeypatch.setattr(RequestGrammar, "walk", spy)
+    schema = json.dumps(Person.model_json_schema())
+    params = SamplingParams(max_tokens=24, grammar=GrammarSpec("json_schema", schema))
+    ids = dspark_llm.encode_messages([{"role": "user", "content": PROMPTS[0]}])
+    st = dspark_llm.generate_ids([ids], params)[0]
+    assert walks and all(k == n for n, k in walks)
+    assert sum(st.metrics.proposed_at) > 0  # drafts were made (and were all grammatical)
+    assert st.output_ids == smollm2_llm.generate_ids([ids], params)[0].output_ids
+
+
 # ---------------------------------------------------------------------- tool calls
 WEATHER = {
     "type": "function",
@@ -172,7 +268,15 @@ def test_tool_round_trip_call_result_answer(clients, name):
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "get_weather" and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == wcall.function.arguments
+    assert len([d for d in deltas if d.function.arguments]) > 1  # pieces, as generated
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    state = ChatCompletionStreamState()  # the openai client's own accumulation
+    for c in chunks:
+        state.handle_chunk(c)
+    (acc,) = state.get_final_completion().choices[0].message.tool_calls
+    assert acc.function.name == "get_weather" and acc.id == deltas[0].id
+    assert json.loads(acc.function.arguments) == json.loads(wcall.function.arguments)
+    assert acc.function.arguments == wcall.function.arguments
     # the result goes back as role "tool"; the model answers in text
     messages += [
         named.choices[0].message.model_dump(exclude_none=True),
@@ -185,8 +289,8 @@ def test_tool_round_trip_call_result_answer(clients, name):
     assert none.choices[0].message.tool_calls is None
 
 
-def test_tool_call_parsing_and_stream_filter():
-    from edgebuild.serve.tools import ToolStreamFilter, parse_tool_calls
+def test_tool_call_parsing_and_incremental_stream():
+    from edgebuild.serve.tools import ToolCallStream, parse_tool_calls
 
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "g"}</tool_call>'
     content, calls = parse_tool_calls(text)
@@ -199,9 +303,25 @@ def test_tool_call_parsing_and_stream_filter():
         "<tool_call>not json</tool_call>",
         [],
     )
-    f = ToolStreamFilter()
-    sent = [f.feed(d) for d in ["Hello <", "tool", "_call>{", '"name": "f"}</tool_call>']]
-    assert sent == ["Hello ", "", "", ""]
-    assert f.held == '<tool_call>{"name": "f"}</tool_call>'
-    g = ToolStreamFilter()
-    assert [g.feed(d) for d in ["a <t", "x> d", " <b"]] == ["a ", "<tx> d", " <b"]
+    # the stream: content as it comes, the call's name once complete, then its arguments
+    # in the pieces the model wrote; concatenated == parse_tool_calls of the whole text
+    text = 'Hi <tool_call>\n{"name": "f", "arguments": {"x": [1, "}"], "y": 2}}\n</tool_call> ok'
+    s = ToolCallStream()
+    pieces = [p for i in range(0, len(text), 3) for p in s.feed(text[i : i + 3])] + s.finish()
+    content = "".join(p.get("content", "") for p in pieces)
+    deltas = [d for p in pieces for d in p.get("tool_calls", [])]
+    assert content == "Hi  ok" and deltas[0]["function"]["name"] == "f"
+    args = "".join(d["function"]["arguments"] for d in deltas)
+    assert len([d for d in deltas if d["function"]["arguments"]]) > 3
+    assert (
+        args == parse_tool_calls(text)[1][0]["function"]["arguments"] == '{"x": [1, "}"], "y": 2}'
+    )
+    assert {d["index"] for d in deltas} == {0}
+    # no arguments key: the whole call at the block's end; not JSON: content, as non-streamed
+    s = ToolCallStream()
+    out = s.feed('<tool_call>{"name": "g"}</tool_call><tool_call>nope</tool_call> <tool_c')
+    assert [d["function"]["arguments"] for d in out[0]["tool_calls"]] == ["", "{}"]
+    assert out[1] == {"content": "<tool_call>nope</tool_call> "}
+    assert s.finish() == [{"content": "<tool_c"}] and s.calls == 1
+    s = ToolCallStream()
+    assert s.feed("a <t") == [{"content": "a "}] and s.feed("x> d") == [{"content": "<tx> d"}]

@@ -222,6 +222,7 @@ class DraftBackend(Protocol):
         num_tokens: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator],
+        constraints: list | None = None,
     ) -> list[Proposal]:
         """Draft a block after each sequence's context (block K/V never persist).
 
@@ -232,6 +233,11 @@ class DraftBackend(Protocol):
                 budget-cut step, an empty proposal).
             params: sampling settings per sequence (greedy drafts argmax).
             generators: per sequence, the torch.Generator the draws come from.
+            constraints: per sequence a grammar's
+                :class:`~edgebuild.runtime.structured.DraftMask` or None (None: no grammar
+                anywhere): each slot's candidates are filtered by it, so the drafts are
+                grammatical and q is the masked distribution; the block ends early where it
+                allows no candidate.
 
         Returns:
             One :class:`Proposal` per sequence: ``n_b`` tokens, fp32 ``q [n_b, K]`` (over

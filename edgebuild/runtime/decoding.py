@@ -70,6 +70,9 @@ class RequestState:
     prompt_hashes: list[bytes] | None = None
     # params.logprobs set: one entry per output token (raw target logits; runtime/processors.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs set: None for the first prompt token, then one entry per prompt
+    # token (its raw target log-probability given the tokens before it), filled by prefill
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     grammar: RequestGrammar | None = None  # params.grammar's matcher (runtime/structured.py)
 
     @classmethod
@@ -186,6 +189,8 @@ class TargetOnlyDecoder:
         """A new cache sequence for `st`, starting with its prompt's cached prefix pages."""
         st.seq = self.target.new_sequence()
         st.prefill_features = []
+        if st.anchor is None:  # a (re)started prefill computes the prompt logprobs again
+            st.prompt_logprobs = []
         self._attach_prefix(st)
 
     def finish(self, st: RequestState) -> None:
@@ -209,6 +214,13 @@ class TargetOnlyDecoder:
         # prompts with images are not cached: their pad tokens do not name the image
         return self.prefill_config.enable_prefix_caching and not has_images
 
+    @staticmethod
+    def _reads_cache(st: RequestState) -> bool:
+        """Whether `st` may take cached prefix pages: not while it still needs prompt
+        logprobs, which need the logits of every prompt row (vLLM skips the cache for them
+        too); its pages are still registered for later requests."""
+        return st.params.prompt_logprobs is None or st.anchor is not None
+
     def _prefix_hit(self, prompt_ids: list[int], hashes: list[bytes]) -> list[int]:
         """Cached pages of the prompt's longest cached prefix; never the whole prompt (its
         last token is always recomputed, for its logits); with taps, only pages cached with
@@ -227,7 +239,7 @@ class TargetOnlyDecoder:
             return
         alloc = self.target.allocator
         st.prompt_hashes = block_hashes(st.prompt_ids, alloc.page_size)
-        pages = self._prefix_hit(st.prompt_ids, st.prompt_hashes)
+        pages = self._prefix_hit(st.prompt_ids, st.prompt_hashes) if self._reads_cache(st) else []
         alloc.attach(st.seq, pages)
         if self.taps:
             st.prefill_features = list(alloc.payloads(pages))
@@ -251,18 +263,34 @@ class TargetOnlyDecoder:
         """Rows of the next prefill chunk of `st` (the whole rest when unchunked or with
         images, whose rows and positions go in one call)."""
         rest = len(st.prompt_ids) - st.seq.length
+        if st.params.prompt_logprobs is not None and st.prompt_images is None:
+            rest = min(rest, self._logits_rows_cap())
         if not self.prefill_config.enable_chunked_prefill or st.prompt_images is not None:
             return rest
         return min(rest, self.prefill_config.prefill_chunk)
 
-    def first_step_pages(self, prompt_ids: list[int], has_images: bool) -> int:
+    def _logits_rows_cap(self) -> int:
+        """Rows of a prompt whose logprobs are asked for per prefill pass (its logits rows
+        [rows, V] fp32 are held on the host): ``prefill_chunk`` (also with chunked prefill
+        off), and at most a TensorRT engine's decode / verify length (its ``logits_rows``
+        axis: the most logits rows one call returns)."""
+        limits = getattr(self.target, "limits", None)  # TensorRT: EngineLimits
+        cap = self.prefill_config.prefill_chunk
+        return min(cap, limits.verify_len) if limits is not None else cap
+
+    def first_step_pages(
+        self, prompt_ids: list[int], has_images: bool, prompt_logprobs: bool = False
+    ) -> int:
         """Target pages a new request's first step may take: its first chunk beyond the
-        cached prefix, plus the cached pages it attaches that were counted free."""
+        cached prefix (none with ``prompt_logprobs``: the request skips the cache), plus
+        the cached pages it attaches that were counted free."""
         alloc, ps = self.target.allocator, self.target.allocator.page_size
         hit = []
-        if self._caches(has_images):
+        if self._caches(has_images) and not prompt_logprobs:
             hit = self._prefix_hit(prompt_ids, block_hashes(prompt_ids, ps))
         start, n = len(hit) * ps, len(prompt_ids) - len(hit) * ps
+        if prompt_logprobs and not has_images:
+            n = min(n, self._logits_rows_cap())
         if self.prefill_config.enable_chunked_prefill and not has_images:
             n = min(n, self.prefill_config.prefill_chunk)
         return alloc.evictable_among(hit) + alloc.pages_for(start + n) - len(hit)
@@ -296,7 +324,7 @@ class TargetOnlyDecoder:
 
     def _prefill_pass(self, group: list[tuple[RequestState, int]]) -> None:
         t0 = time.perf_counter()
-        rows, images = [], []
+        rows, images, starts = [], [], []
         for st, n in group:
             pos = st.seq.length
             whole = st.prompt_images is not None and pos == 0
@@ -304,10 +332,14 @@ class TargetOnlyDecoder:
                 st.seq.rope_delta = st.prompt_images.rope_delta
             rows.append(torch.tensor(st.prompt_ids[pos : pos + n], dtype=torch.int64))
             images.append(st.prompt_images if whole else None)
+            starts.append(pos)
+        wanted = [  # every row's logits for prompt logprobs, else the last row's
+            list(range(n)) if st.params.prompt_logprobs is not None else [n - 1] for st, n in group
+        ]
         out = self.target.forward(
             [st.seq for st, _ in group],
             rows,
-            [[n - 1] for _, n in group],
+            wanted,
             self.taps,
             images if any(m is not None for m in images) else None,
             prefill=True,
@@ -320,6 +352,8 @@ class TargetOnlyDecoder:
             st.metrics.prefill_s += dt / len(group)
             if self.taps:  # a copy: the TensorRT taps live in a ring the next call reuses
                 st.prefill_features.append(out.taps[b].clone())
+            if st.params.prompt_logprobs is not None:
+                _add_prompt_logprobs(st, starts[b], out.logits[b])
             if st.seq.length == len(st.prompt_ids):
                 done.append(st)
                 last.append(out.logits[b][-1])
@@ -506,13 +540,22 @@ class DSparkDecoder(TargetOnlyDecoder):
         # Budget: a step commits n+1 tokens at most, so never draft past the remaining budget.
         if counts is None:
             counts = [max(0, min(self.n, s.remaining - 1)) for s in live]
-        proposals = self.draft.propose(
-            [s.draft_seq for s in live],
-            [s.anchor for s in live],
-            counts,
-            [s.params for s in live],
-            [s.generator for s in live],
-        )
+        # the drafts of a request with a grammar are drawn under its mask (runtime/structured.py)
+        masks = [None if s.grammar is None else s.grammar.draft_mask() for s in live]
+        kw = {"constraints": masks} if any(m is not None for m in masks) else {}
+        try:
+            proposals = self.draft.propose(
+                [s.draft_seq for s in live],
+                [s.anchor for s in live],
+                counts,
+                [s.params for s in live],
+                [s.generator for s in live],
+                **kw,
+            )
+        finally:
+            for m in masks:
+                if m is not None:
+                    m.release()
         if self.threshold > 0:
             proposals = [self._cutoff(p) for p in proposals]
         proposals = [  # the grammar's masks of the rows to verify; refused drafts cut
@@ -561,6 +604,16 @@ class DSparkDecoder(TargetOnlyDecoder):
             st.metrics.record_step(proposed=n, accepted=a)
             self._commit(st, v.tokens(prop.tokens), out.logits[b])
         return dt, [v.accepted for v in verdicts]
+
+
+def _add_prompt_logprobs(st: RequestState, start: int, logits: torch.Tensor) -> None:
+    """Append the prompt logprobs of a prefill chunk of `st` at positions ``start..``:
+    ``logits`` fp32 [n, V] raw, row j predicting prompt token ``start + j + 1`` (the last
+    row of the prompt predicts the first output token: not a prompt entry)."""
+    if start == 0:
+        st.prompt_logprobs = [None]  # the first prompt token has no context
+    nxt = st.prompt_ids[start + 1 : start + 1 + len(logits)]
+    st.prompt_logprobs.extend(token_logprobs(logits, nxt, st.params.prompt_logprobs, ranks=True))
 
 
 def _report_prefilled(waiting: list[RequestState], on_prefilled) -> None:

@@ -31,7 +31,7 @@ from edgebuild.runtime.kv_cache import (
     Sequence,
     allocate_pools,
 )
-from edgebuild.runtime.markov_walk import draw_rows, walk_lattice, walk_uniforms
+from edgebuild.runtime.markov_walk import constrain, draw_rows, follow, walk_lattice, walk_uniforms
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.torch_backend import make_batch, pad_rows
 
@@ -180,8 +180,11 @@ class TorchDraft:
         num_tokens: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator],
+        constraints: list | None = None,
     ) -> list[Proposal]:
-        """One block pass at positions s..s+B-1 (s = context length), then the Markov walk.
+        """One block pass at positions s..s+B-1 (s = context length), then the Markov walk
+        (``constraints``: per sequence its grammar's DraftMask or None, see
+        :meth:`DraftBackend.propose`).
 
         Only the ``max(num_tokens)`` rows that are drafted reach ``lm_head``.
         """
@@ -201,7 +204,7 @@ class TorchDraft:
             return [Proposal([], torch.zeros(0, 1), torch.ones(0), None) for _ in seqs]
         h = h[:, :n_max]
         base = self.model.base_logits(h)  # fp32 [B, n, V]
-        return self.walk(h, base, anchors, num_tokens, params, generators)
+        return self.walk(h, base, anchors, num_tokens, params, generators, constraints)
 
     def walk(
         self,
@@ -211,6 +214,7 @@ class TorchDraft:
         num_tokens: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator],
+        constraints: list | None = None,
     ) -> list[Proposal]:
         """The Markov walk (module docstring): over the top-k lattice, the one walk the
         TensorRT draft runs too (:func:`walk_lattice`); token by token for an rnn head or the
@@ -223,10 +227,16 @@ class TorchDraft:
         small = lattice_bytes(*h.shape[:2], k_cand, h.shape[-1]) <= LATTICE_MAX_BYTES
         if k_cand < vocab and not rnn and small:
             cand, scores, conf = self.model.lattice(h, base, torch.tensor(anchors), k_cand)
-            return walk_lattice(cand, scores, conf, num_tokens, params, generators)
-        return self._walk_by_token(h, base, anchors, num_tokens, params, generators, k_cand)
+            return walk_lattice(
+                cand, scores, conf, num_tokens, params, generators, constraints, base
+            )
+        return self._walk_by_token(
+            h, base, anchors, num_tokens, params, generators, k_cand, constraints
+        )
 
-    def _walk_by_token(self, h, base, anchors, num_tokens, params, generators, k_cand):
+    def _walk_by_token(
+        self, h, base, anchors, num_tokens, params, generators, k_cand, constraints=None
+    ):
         """Slot by slot, the Markov bias computed from the token actually chosen before."""
         model, vocab = self.model, base.shape[-1]
         n_max = max(num_tokens, default=0)
@@ -240,6 +250,7 @@ class TorchDraft:
         ids = torch.zeros(batch, n_max, k_cand, dtype=torch.long)
         conf = torch.ones(batch, n_max)
         tokens = torch.zeros(batch, n_max, dtype=torch.long)
+        limit = list(num_tokens)
         for k in range(n_max):
             z = base[:, k]  # [B, V]
             cand = z.topk(k_cand, dim=-1).indices if k_cand < vocab else None  # [B, K]
@@ -253,14 +264,16 @@ class TorchDraft:
                 scores = scores + bias
             if model.confidence_head is not None:
                 conf[:, k] = model.confidence(h[:, k], prev)
-            q[:, k], choice = draw_rows(scores, greedy, temps, uniforms[:, k])
             ids[:, k] = torch.arange(vocab).expand(batch, -1) if cand is None else cand
+            scores = constrain(scores, ids[:, k], constraints, limit, k)
+            q[:, k], choice = draw_rows(scores, greedy, temps, uniforms[:, k])
             tokens[:, k] = ids[:, k].gather(1, choice[:, None]).squeeze(-1)
+            follow(tokens[:, k], constraints, limit, k)
             prev, state = tokens[:, k].clone(), new_state
         listed = tokens.tolist()
         return [
             Proposal(
                 listed[b][:n], q[b, :n], conf[b, :n], q_ids=None if k_cand == vocab else ids[b, :n]
             )
-            for b, n in enumerate(num_tokens)
+            for b, n in enumerate(limit)
         ]

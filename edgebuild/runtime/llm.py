@@ -432,14 +432,17 @@ class LLM:
             }
         return out
 
-    def first_step_pages(self, prompt_ids: list[int], images=None) -> tuple[int, int]:
+    def first_step_pages(
+        self, prompt_ids: list[int], images=None, prompt_logprobs: bool = False
+    ) -> tuple[int, int]:
         """KV pages (target, draft) the first step of a new request may take: its first
-        prefill chunk beyond its cached prompt prefix, plus the evictable cached pages it
-        attaches (they count as free until then); nothing on the draft."""
+        prefill chunk beyond its cached prompt prefix (``prompt_logprobs``: the request
+        skips the cache), plus the evictable cached pages it attaches (they count as free
+        until then); nothing on the draft."""
         has_images = bool(images) or (
             self.vision is not None and self.vision.image_token_id in prompt_ids
         )
-        return self.decoder.first_step_pages(prompt_ids, has_images), 0
+        return self.decoder.first_step_pages(prompt_ids, has_images, prompt_logprobs), 0
 
     def step_pages(self, st: RequestState) -> tuple[int, int]:
         """KV pages (target, draft) that the next decoder step of `st` may newly take.
@@ -453,7 +456,9 @@ class LLM:
         target_alloc = self.target.allocator
         spec = self.speculative.num_speculative_tokens if self.speculative else 0
         if st.anchor is None and st.seq is None:  # preempted before its first token
-            return self.first_step_pages(st.prompt_ids, st.prompt_images), 0
+            return self.first_step_pages(
+                st.prompt_ids, st.prompt_images, st.params.prompt_logprobs is not None
+            )
         if st.anchor is None:  # in prefill: its next chunk
             return self.decoder.prefill_step_pages(st), 0
         if st.seq is None:  # preempted: recompute prompt + output[:-1], then a step

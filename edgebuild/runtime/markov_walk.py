@@ -13,7 +13,9 @@ The walk goes left to right: slot 0 reads row 0, slot l reads the row of the can
 at slot l-1. A greedy request takes the argmax (q one-hot on the candidates); a sampled one
 draws from ``softmax(scores / T)`` by inverse CDF with uniforms drawn up front from the
 request's own generator (``n`` per proposal, so a request's draws never depend on its batch).
-The walk is vectorised over the batch: one small gather per slot, no per-request loop.
+The walk is vectorised over the batch: one small gather per slot, no per-request loop (but
+for the requests with a grammar, whose candidates are filtered by its mask at each slot:
+:class:`edgebuild.runtime.structured.DraftMask`, :func:`constrain`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,69 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+def constrain(
+    scores: torch.Tensor,  # fp32 [B, K] scores of slot k's candidates
+    ids: torch.Tensor,  # int64 [B, K] the candidate ids (a dense row: 0..V-1)
+    constraints: list | None,  # per request a DraftMask or None
+    limit: list[int],  # drafts per request; cut to k where the grammar allows no candidate
+    k: int,
+    dead: list[int] | None = None,
+) -> torch.Tensor:
+    """``scores`` with the candidates each request's grammar refuses at -inf (a new tensor);
+    a request whose grammar allows none of them stops drafting at slot k (``limit[b] = k``;
+    its index appended to ``dead``)."""
+    if constraints is None:
+        return scores
+    scores = scores.clone()
+    for b, mask in enumerate(constraints):
+        if mask is None or limit[b] <= k:
+            continue
+        ok = mask.allowed(ids[b])
+        if not bool(ok.any()):
+            limit[b] = k
+            if dead is not None:
+                dead.append(b)
+            continue
+        scores[b] = scores[b].masked_fill(~ok, float("-inf"))
+    return scores
+
+
+def rescue(
+    base: torch.Tensor,  # fp32 [V] the draft's base logits of the slot
+    mask,  # the request's DraftMask
+    width: int,  # K
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """New candidates for a slot where none of the walk's was allowed: (ids int64 [K], their
+    base logits fp32 [K]), the K most likely tokens of the draft's base logits that the
+    grammar allows (refused ones, when fewer are allowed, at -inf); None when it allows none.
+    The slot is then the block's last (no Markov scores exist after a new candidate)."""
+    ok = mask.allowed(torch.arange(base.shape[-1]))
+    if not bool(ok.any()):
+        return None
+    top, ids = base.float().masked_fill(~ok, float("-inf")).topk(width)
+    return ids, top
+
+
+def follow(tokens: torch.Tensor, constraints: list | None, limit: list[int], k: int) -> None:
+    """Move each constrained request's grammar past its slot-k draft (``tokens`` int64 [B])."""
+    for b, mask in enumerate(constraints or ()):
+        if mask is not None and limit[b] > k and not mask.accept(int(tokens[b])):
+            limit[b] = k  # not expected (the mask allowed it); the block ends before it
+
+
+def _rescue_rows(row, cand, base, constraints, dead, limit, num_tokens, k) -> torch.Tensor:
+    """Slot k of the `dead` requests from :func:`rescue` (their ``cand[b, k]`` replaced,
+    ``row [B, K]`` their scores); each rescued request drafts slot k as its last."""
+    for b in dead:
+        if num_tokens[b] <= k:
+            continue
+        got = rescue(base[b, k], constraints[b], cand.shape[-1])
+        if got is not None:
+            cand[b, k], row[b] = got
+            limit[b] = k + 1
+    return row
+
+
 def walk_uniforms(params: list[SamplingParams], generators: list, n_max: int) -> torch.Tensor:
     """fp32 [B, n_max] uniforms for the walk: drawn from each sampled request's generator."""
     u = torch.zeros(len(params), n_max)
@@ -82,11 +147,17 @@ def walk_lattice(
     num_tokens: list[int],
     params: list[SamplingParams],
     generators: list[torch.Generator],
+    constraints: list | None = None,
+    base: torch.Tensor | None = None,  # fp32 [B, n, V] the base logits (torch draft only)
 ) -> list[Proposal]:
     """Walk every sequence's lattice (module docstring); returns one Proposal each.
 
-    Proposal b holds ``num_tokens[b]`` drafts, ``q [n_b, K]`` over ``q_ids = cand[b, :n_b]``
-    and the confidence of each drafted slot (ones without a confidence head).
+    Proposal b holds ``num_tokens[b]`` drafts (fewer where its grammar allows no candidate),
+    ``q [n_b, K]`` over ``q_ids = cand[b, :n_b]`` and the confidence of each drafted slot
+    (ones without a confidence head). ``constraints``: per sequence a
+    :class:`~edgebuild.runtime.structured.DraftMask` (or None) filtering its candidates; with
+    ``base``, a slot where none is allowed draws from the allowed top-k of the base logits
+    instead (:func:`rescue`) and ends the block.
 
     Raises:
         ValueError: more drafts asked for than the lattice has slots.
@@ -105,15 +176,21 @@ def walk_lattice(
     q = torch.zeros(batch, n_max, k_width)
     conf = torch.ones(batch, n_max)
     choice = torch.zeros(batch, n_max, dtype=torch.long)
+    limit = list(num_tokens)
     for k in range(n_max):
-        row = scores[ar, k, prev].float()  # [B, K]
+        dead: list[int] = []
+        row = constrain(scores[ar, k, prev].float(), cand[:, k], constraints, limit, k, dead)
+        if base is not None and dead:
+            cand = cand.clone()  # [B, n, K]: the rescued slots get their own candidates
+            row = _rescue_rows(row, cand, base, constraints, dead, limit, num_tokens, k)
         q[:, k], choice[:, k] = draw_rows(row, greedy, temps, uniforms[:, k])
         if confidence is not None:
             conf[:, k] = confidence[ar, k, prev].float()
         prev = choice[:, k]
+        follow(cand[ar, k, prev], constraints, limit, k)
     tokens = cand[:, :n_max].gather(2, choice.unsqueeze(-1)).squeeze(-1)  # [B, n_max]
     listed = tokens.tolist()
     return [
         Proposal(listed[b][:n], q[b, :n], conf[b, :n], q_ids=cand[b, :n])
-        for b, n in enumerate(num_tokens)
+        for b, n in enumerate(limit)
     ]

@@ -36,11 +36,14 @@ class TokenLogprob:
         token_id: the committed token.
         logprob: its natural-log probability under the target (raw logits).
         top: ((token id, logprob), ...) the ``params.logprobs`` most likely tokens, descending.
+        rank: 1 + the number of tokens more likely than it (vLLM's ``rank``); None when not
+            asked for.
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 def apply_processors(
@@ -106,23 +109,30 @@ def output_counts(output_ids: list[int], drafts: list[int], rows: int, vocab: in
     return counts
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], top: int, ranks: bool = False
+) -> list[TokenLogprob]:
     """Log-probabilities of ``tokens[i]`` under raw logits row i.
 
     Args:
         logits: fp32 [>= len(tokens), V] raw target logits.
-        tokens: the committed tokens, one per row.
+        tokens: the committed (or, for prompt logprobs, the next prompt) tokens, one per row.
         top: number of alternatives per token (0..20).
+        ranks: also give each token's rank (1 = the most likely).
     """
     n = len(tokens)
     if n == 0:
         return []
     lp = torch.log_softmax(logits[:n].float(), dim=-1)
-    chosen = lp[torch.arange(n), torch.tensor(tokens, dtype=torch.long)].tolist()
+    chosen_t = lp[torch.arange(n), torch.tensor(tokens, dtype=torch.long)]
+    chosen = chosen_t.tolist()
+    rank: list = [None] * n
+    if ranks:
+        rank = ((lp > chosen_t[:, None]).sum(-1) + 1).tolist()
     alts: list[tuple] = [()] * n
     if top:
         vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
         alts = [
             tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)
         ]
-    return [TokenLogprob(t, c, a) for t, c, a in zip(tokens, chosen, alts, strict=True)]
+    return [TokenLogprob(t, c, a, r) for t, c, a, r in zip(tokens, chosen, alts, rank, strict=True)]

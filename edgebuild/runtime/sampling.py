@@ -48,6 +48,10 @@ class SamplingParams:
         logprobs: None = no log-probabilities; k >= 0 = the chosen token's log-probability
             and the k most likely alternatives, per generated token (target model, raw
             logits: before any processor, vLLM's default ``raw_logprobs``).
+        prompt_logprobs: None = none; k >= 0 = per prompt token after the first, its
+            log-probability under the target given the tokens before it, its rank and the
+            k most likely alternatives (vLLM's ``prompt_logprobs``; the request skips the
+            prefix cache, as vLLM's does, so every prompt row is computed).
         grammar: structured output the text must match (:mod:`edgebuild.runtime.structured`);
             None = free text.
     """
@@ -67,6 +71,7 @@ class SamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -108,8 +113,10 @@ class SamplingParams:
             )
         if not 0.0 <= float(self.min_p) <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= 20:
+                raise RequestError(f"{name} must be in [0, 20], got {k!r}")
 
     @property
     def has_processors(self) -> bool:

@@ -9,6 +9,17 @@ d_1..d_i, and the first draft the grammar refuses ends the block there (no verif
 spent past it), after which the matcher rolls back to the committed state. After
 verification it advances along the committed tokens only.
 
+The draft is masked too (:class:`DraftMask`): during the draft's walk each slot's candidates
+are filtered by the matcher's mask after the drafts chosen before it (the matcher walks the
+block and then rolls back), so the drafts are grammatical and the block is not cut at the
+first free-text token. A slot where no candidate is allowed ends the block there, before
+anything is drawn for it (a stopping rule that depends only on the earlier drafts, like the
+budget); with the draft's base logits on hand (the torch draft) that slot is first drawn from
+the allowed top-k of them, as the block's last draft (:func:`edgebuild.runtime.markov_walk.rescue`). q is then the masked, renormalised draft distribution, the distribution the token was
+really drawn from, and the verifier's acceptance ratio and residual use that same q
+(``Proposal.q``), so the rejection sampler stays exact (Leviathan et al. 2023, section 2.3:
+any q works as long as it is the one sampled from).
+
 Exactness. Greedy: a refused draft could never match the masked argmax, so cutting it changes
 nothing. Sampled: the refused draft d_{k+1} would have been rejected with certainty (its masked
 p is 0), so when every kept draft is accepted the next token comes from the residual
@@ -155,6 +166,10 @@ class RequestGrammar:
         self.outputs.xgr.apply_token_bitmask_inplace(out, self.masks[: out.shape[0]])
         return out
 
+    def draft_mask(self) -> DraftMask:
+        """A mask for the draft's walk from the committed state (release it after)."""
+        return DraftMask(self)
+
     def advance(self, tokens: list[int]) -> None:
         """Move the matcher past the committed `tokens` (each was chosen under its mask)."""
         for t in tokens:
@@ -168,3 +183,40 @@ class RequestGrammar:
     def done(self) -> bool:
         """The grammar is complete (only a stop token may follow)."""
         return self.matcher.is_terminated() or self.matcher.is_completed()
+
+
+class DraftMask:
+    """The grammar as the draft's walk sees it (module docstring): the tokens allowed at the
+    next slot, and the matcher moved along the chosen drafts, then rolled back by
+    :meth:`release` to the committed state.
+
+    Args:
+        grammar: the request's grammar, at its committed state (after the anchor).
+    """
+
+    def __init__(self, grammar: RequestGrammar):
+        self.grammar = grammar
+        self.accepted = 0  # drafts the matcher moved past (rolled back by release)
+        self._bits = grammar.outputs.xgr.allocate_token_bitmask(1, grammar.outputs.vocab_size)
+
+    def allowed(self, ids: torch.Tensor) -> torch.Tensor:
+        """bool [K]: which of the candidate ids (int64 [K], < V) the grammar allows next;
+        none once the grammar is terminated (the block ends there)."""
+        m = self.grammar.matcher
+        if m.is_terminated():
+            return torch.zeros(ids.shape, dtype=torch.bool)
+        m.fill_next_token_bitmask(self._bits, 0)
+        words = self._bits[0].long()  # int32 words of 32 token bits, least significant first
+        return ((words[ids // 32] >> (ids % 32)) & 1).bool()
+
+    def accept(self, token: int) -> bool:
+        """Move the matcher past draft `token` (one :meth:`allowed` said yes to)."""
+        ok = self.grammar.matcher.accept_token(int(token))
+        self.accepted += int(ok)
+        return ok
+
+    def release(self) -> None:
+        """Roll the matcher back to the committed state (idempotent)."""
+        if self.accepted:
+            self.grammar.matcher.rollback(self.accepted)
+        self.accepted = 0

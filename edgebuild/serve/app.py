@@ -395,17 +395,21 @@ async def chat_completions(request: Request):
     )
     model = check_model(state, req.model)
     ids, images = await chat_prompt(state, req)
+    if images and req.prompt_logprobs is not None:  # image rows are not prompt tokens
+        raise bad_request(
+            "prompt_logprobs is not supported for prompts with images; send text only",
+            "prompt_logprobs",
+        )
     params = sampling_for(state, req, ids)
     await check_grammar(state, req, params)
     params = choice_params(params, req.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tickets = state.scheduler.submit_choices(ids, params, rid, images=images)
-    lp, tools = bool(req.logprobs), req.uses_tools
     if req.stream:
-        stream = chat_stream(tickets, request, rid, model, req.include_usage, lp, tools)
+        stream = chat_stream(tickets, request, rid, model, req)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     events = await collect(tickets, request)
-    return chat_response(events, rid, model, lp, tools).model_dump(exclude_none=False)
+    return chat_response(events, rid, model, req).model_dump(exclude_none=False)
 
 
 @v1.post("/completions", **_body(CompletionRequest, CompletionResponse, CompletionResponse))
@@ -427,12 +431,11 @@ async def completions(request: Request):
             else await tokenize(state, state.llm.tokenizer.decode, ids)
         )
     tickets = state.scheduler.submit_choices(ids, params, rid)
-    lp = req.logprobs is not None
     if req.stream:
-        stream = completion_stream(tickets, request, rid, model, req.include_usage, lp, echo)
+        stream = completion_stream(tickets, request, rid, model, req, echo)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     events = await collect(tickets, request)
-    return completion_response(events, rid, model, lp, echo).model_dump()
+    return completion_response(events, rid, model, req, echo).model_dump()
 
 
 async def health(request: Request):

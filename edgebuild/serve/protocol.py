@@ -8,6 +8,13 @@ with a message naming it. Responses mirror the OpenAI shapes field for field.
 Log-probabilities are the target model's, from its raw logits: before the penalties,
 logit_bias, temperature and top-k / top-p / min-p (vLLM's default ``raw_logprobs``), one entry
 per generated token (EOS included: the entries count ``usage.completion_tokens``).
+
+Prompt log-probabilities (completions ``echo`` + ``logprobs``, OpenAI's legacy shape: the
+prompt's tokens first in ``choices[i].logprobs``, the first with a null logprob; and vLLM's
+``prompt_logprobs`` on both endpoints) are the same raw target numbers, from the prefill's
+logits: such a request skips the prefix cache, as in vLLM, so that every prompt row is
+computed (:meth:`edgebuild.runtime.decoding.TargetOnlyDecoder.start`). As in vLLM,
+``prompt_logprobs`` is refused with ``stream: true``.
 """
 
 from __future__ import annotations
@@ -251,6 +258,7 @@ class _GenerationRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -264,6 +272,18 @@ class _GenerationRequest(_Strict):
             raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= 20:
+                raise bad_request(
+                    f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+                    "prompt_logprobs",
+                )
+            if self.stream:
+                raise bad_request(
+                    "prompt_logprobs are not available with stream=true (as in vLLM); "
+                    "send stream=false",
+                    "prompt_logprobs",
+                )
 
     def requested_max_tokens(self) -> int | None:
         """The token budget the client asked for (None = server default)."""
@@ -272,6 +292,10 @@ class _GenerationRequest(_Strict):
     def logprob_count(self) -> int | None:
         """Alternatives per generated token (None = no logprobs)."""
         return None
+
+    def prompt_logprob_count(self) -> int | None:
+        """Alternatives per prompt token (None = no prompt logprobs)."""
+        return self.prompt_logprobs
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The structured output asked for (``response_format``, vLLM's ``guided_*`` or
@@ -371,6 +395,7 @@ class _GenerationRequest(_Strict):
                 min_tokens=self.min_tokens,
                 min_p=self.min_p or 0.0,
                 logprobs=self.logprob_count(),
+                prompt_logprobs=self.prompt_logprob_count(),
                 grammar=self.grammar_spec(),
             )
         except RequestError as exc:  # the message starts with the field's name
@@ -493,16 +518,21 @@ class CompletionRequest(_GenerationRequest):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echo_logprobs(self) -> bool:
+        """``echo`` with ``logprobs``: the prompt's tokens lead ``choices[i].logprobs``."""
+        return self.echo and self.logprobs is not None
+
+    def prompt_logprob_count(self) -> int | None:
+        # echo + logprobs needs the prompt's logprobs with the same alternatives
+        counts = [self.prompt_logprobs, self.logprobs if self.echo_logprobs else None]
+        counts = [c for c in counts if c is not None]
+        return max(counts) if counts else None
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise bad_request(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
-        if self.echo and self.logprobs is not None:
-            raise bad_request(
-                "echo with logprobs (prompt log-probabilities) is not supported; send echo "
-                "or logprobs",
-                "echo",
-            )
         if self.suffix:
             raise bad_request(
                 "suffix (fill-in-the-middle) is not supported by this server", "suffix"
@@ -655,6 +685,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -681,11 +712,26 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: a token's log-probability, its rank (1 = the most likely) and
+    its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: per prompt token (the first: null), the prompt token itself and
+# the most likely alternatives, keyed by token id
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -72,8 +72,11 @@ class Event:
     whole output) or "error" (`status`, `message`, `code`, and `retry_after` seconds for a
     temporary refusal). ``logprobs``: the entries (OpenAI chat shape: ``token``, ``logprob``,
     ``bytes``, ``top_logprobs``) of the tokens committed since the previous event, so the
-    entries of all events concatenate to one per output token; ``cached_tokens``: prompt
-    tokens served from the prefix cache.
+    entries of all events concatenate to one per output token; ``prompt_logprobs``: set on
+    the first event after the prompt was prefilled when the request asks for them, one
+    entry per prompt token (``token_id``, ``token``, ``bytes``, ``logprob`` and ``rank``,
+    None for the first token, and ``top_logprobs``); ``cached_tokens``: prompt tokens served
+    from the prefix cache.
     """
 
     kind: str
@@ -88,6 +91,7 @@ class Event:
     retry_after: int | None = None
     metrics: dict = field(default_factory=dict)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict] | None = None
     cached_tokens: int = 0
 
 
@@ -168,6 +172,7 @@ class _Active:
     sent: str = ""
     first_token_at: float | None = None
     logprobs_sent: int = 0  # entries of state.logprobs already posted
+    prompt_logprobs_sent: bool = False
 
 
 def _internal(exc: Exception) -> str:
@@ -407,7 +412,9 @@ class Scheduler:
     def _first_step_pages(self, ticket: Ticket) -> tuple[int, int]:
         if ticket.preempted is not None:
             return self.llm.step_pages(ticket.preempted.state)
-        return self.llm.first_step_pages(ticket.prompt_ids, ticket.images)
+        return self.llm.first_step_pages(
+            ticket.prompt_ids, ticket.images, ticket.params.prompt_logprobs is not None
+        )
 
     def _admit_locked(self) -> list[Ticket]:
         """Pop waiting tickets (FIFO) whose first step fits the KV pool beside the running
@@ -561,7 +568,14 @@ class Scheduler:
         elif st.finished:
             self._end(a, self._done_event(a, delta), st.stopper.finish_reason)
         elif delta:
-            a.ticket.post(Event("token", text=delta, logprobs=self._new_logprobs(a)))
+            a.ticket.post(
+                Event(
+                    "token",
+                    text=delta,
+                    logprobs=self._new_logprobs(a),
+                    prompt_logprobs=self._prompt_logprobs(a),
+                )
+            )
 
     def _new_logprobs(self, a: _Active) -> list[dict]:
         """The log-probability entries of `a` not posted yet (OpenAI chat shape)."""
@@ -575,7 +589,24 @@ class Scheduler:
             for e in new
         ]
 
-    def _token_entry(self, token_id: int, logprob: float) -> dict:
+    def _prompt_logprobs(self, a: _Active) -> list[dict] | None:
+        """The prompt's log-probability entries of `a`, once, after its prefill (None when
+        not asked for or already posted)."""
+        st = a.state
+        if st.params.prompt_logprobs is None or a.prompt_logprobs_sent or st.anchor is None:
+            return None
+        a.prompt_logprobs_sent = True
+        out = []
+        for token_id, e in zip(st.prompt_ids, st.prompt_logprobs, strict=True):
+            entry = {**self._token_entry(token_id, None), "token_id": token_id, "rank": None}
+            if e is not None:
+                entry.update(logprob=e.logprob, rank=e.rank)
+            top = [] if e is None else e.top
+            entry["top_logprobs"] = [{**self._token_entry(t, lp), "token_id": t} for t, lp in top]
+            out.append(entry)
+        return out
+
+    def _token_entry(self, token_id: int, logprob: float | None) -> dict:
         text = self._token_text.get(token_id)
         if text is None:
             text = self.llm.tokenizer.decode([token_id])
@@ -593,6 +624,7 @@ class Scheduler:
             completion_tokens=len(st.output_ids),
             metrics=st.metrics.to_dict(),
             logprobs=self._new_logprobs(a),
+            prompt_logprobs=self._prompt_logprobs(a),
             cached_tokens=st.metrics.cached_prompt_tokens,
         )
 

@@ -24,16 +24,20 @@ from edgebuild.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     Usage,
 )
 from edgebuild.serve.scheduler import Event, Ticket
-from edgebuild.serve.tools import ToolStreamFilter, parse_tool_calls
+from edgebuild.serve.tools import ToolCallStream, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -61,6 +65,31 @@ def _usage(events: list[Event]) -> Usage:
         sum(ev.completion_tokens for ev in events),
         min(ev.cached_tokens for ev in events),
     )
+
+
+class _Chunks:
+    """The SSE lines of one stream, chunks of type `kind` (ChatCompletionChunk or
+    CompletionResponse) with the stream's id, model and creation time."""
+
+    def __init__(self, kind, request_id: str, model: str):
+        self.kind, self.request_id, self.model = kind, request_id, model
+        self.created = int(time.time())
+
+    def of(self, choice) -> str:
+        """A chunk carrying one choice."""
+        return _chunk(self._make([choice]))
+
+    def end(self, done: list[Event], n: int, include_usage: bool) -> list[str]:
+        """The last lines: the usage chunk (empty ``choices``; when asked for and all `n`
+        choices finished), then ``data: [DONE]``."""
+        out = [_chunk(self._make([], _usage(done)))] if include_usage and len(done) == n else []
+        return [*out, DONE]
+
+    def _make(self, choices: list, usage: Usage | None = None):
+        return self.kind(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=usage,
+        )  # fmt: skip
 
 
 async def watch_disconnect(request: Request, tickets: list[Ticket]) -> None:
@@ -115,11 +144,13 @@ async def collect(tickets: list[Ticket], request: Request) -> list[Event]:
     watcher = asyncio.ensure_future(watch_disconnect(request, tickets))
     done: list[Event | None] = [None] * len(tickets)
     entries: list[list[dict]] = [[] for _ in tickets]
+    prompt: list[list[dict] | None] = [None] * len(tickets)
     try:
         async for i, ev in merged(tickets):
             entries[i].extend(ev.logprobs)
+            prompt[i] = ev.prompt_logprobs if ev.prompt_logprobs is not None else prompt[i]
             if ev.kind == "done":
-                ev.logprobs = entries[i]
+                ev.logprobs, ev.prompt_logprobs = entries[i], prompt[i]
                 done[i] = ev
             elif ev.kind == "error":
                 raise APIError(ev.status, ev.message, None, ev.code, ev.retry_after)
@@ -146,10 +177,34 @@ def _message(ev: Event, tools: bool) -> tuple[AssistantMessage, str | None]:
     return AssistantMessage(content=ev.final_text), ev.finish_reason
 
 
+def prompt_logprobs_of(entries: list[dict] | None, k: int | None) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` from the scheduler's prompt entries
+    (:class:`edgebuild.serve.scheduler.Event`): per token after the first, the prompt token
+    and its ``k`` most likely alternatives (ranks 1..k), keyed by token id."""
+    if k is None or entries is None:
+        return None
+    out: PromptLogprobs = []
+    for e in entries:
+        if e["logprob"] is None:
+            out.append(None)
+            continue
+        d = {str(e["token_id"]): PromptLogprob(logprob=e["logprob"], rank=e["rank"],
+                                               decoded_token=e["token"])}  # fmt: skip
+        for r, t in enumerate(e["top_logprobs"][:k]):
+            d.setdefault(
+                str(t["token_id"]),
+                PromptLogprob(logprob=t["logprob"], rank=r + 1, decoded_token=t["token"]),
+            )
+        out.append(d)
+    return out
+
+
 def chat_response(
-    events: list[Event], request_id: str, model: str, logprobs: bool = False, tools=False
+    events: list[Event], request_id: str, model: str, req: ChatCompletionRequest
 ) -> ChatCompletionResponse:
-    """The non-streamed chat completion of a finished request (one choice per event)."""
+    """The non-streamed chat completion of a finished request (one choice per event; the
+    ``logprobs``, tools and ``prompt_logprobs`` that `req` asks for)."""
+    logprobs, tools = bool(req.logprobs), req.uses_tools
     choices = []
     for i, ev in enumerate(events):
         message, finish = _message(ev, tools)
@@ -161,18 +216,13 @@ def chat_response(
                 logprobs=_chat_logprobs(ev, logprobs),
             )
         )
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(events))
-
-
-def tool_call_deltas(calls: list[dict]) -> list[dict]:
-    """OpenAI's streamed tool-call deltas of `calls`: per call, one delta with its index,
-    id, type and name (empty arguments), then one with the arguments."""
-    out = []
-    for k, c in enumerate(calls):
-        head = {"name": c["function"]["name"], "arguments": ""}
-        out.append({"index": k, "id": c["id"], "type": "function", "function": head})
-        out.append({"index": k, "function": {"arguments": c["function"]["arguments"]}})
-    return out
+    return ChatCompletionResponse(
+        id=request_id,
+        model=model,
+        choices=choices,
+        usage=_usage(events),
+        prompt_logprobs=prompt_logprobs_of(events[0].prompt_logprobs, req.prompt_logprobs),
+    )
 
 
 class CompletionLogprobsBuilder:
@@ -182,22 +232,57 @@ class CompletionLogprobsBuilder:
     def __init__(self, offset: int = 0):
         self.offset = offset
 
-    def __call__(self, entries: list[dict]) -> CompletionLogprobs:
+    def __call__(self, entries: list[dict], top: int | None = None) -> CompletionLogprobs:
+        """The object of ``entries`` (``top``: alternatives kept per token, all if None;
+        a prompt's first entry has a null logprob and null alternatives, as in OpenAI)."""
         out = CompletionLogprobs()
         for e in entries:
             out.tokens.append(e["token"])
             out.token_logprobs.append(e["logprob"])
-            out.top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+            alts = e["top_logprobs"][:top]
+            first = e["logprob"] is None
+            out.top_logprobs.append(None if first else {t["token"]: t["logprob"] for t in alts})
             out.text_offset.append(self.offset)
             self.offset += len(e["token"])
         return out
 
+    def echoed(self, entries: list[dict], top: int, echo: str) -> CompletionLogprobs:
+        """The prompt's entries (offsets from 0); the output's offsets then start at the
+        end of the echoed text."""
+        self.offset = 0
+        out = self(entries, top)
+        self.offset = len(echo)
+        return out
+
+
+def _merge(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    """The entries of `a`, then those of `b`."""
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
+def _completion_logprobs(ev: Event, req: CompletionRequest, echo: str) -> CompletionLogprobs | None:
+    """The whole ``logprobs`` object of a finished choice (the prompt's entries first
+    with ``echo`` + ``logprobs``)."""
+    if req.logprobs is None:
+        return None
+    builder = CompletionLogprobsBuilder(len(echo))
+    if not req.echo_logprobs:
+        return builder(ev.logprobs)
+    head = builder.echoed(ev.prompt_logprobs or [], req.logprobs, echo)
+    return _merge(head, builder(ev.logprobs))
+
 
 def completion_response(
-    events: list[Event], request_id: str, model: str, logprobs: bool = False, echo: str = ""
+    events: list[Event], request_id: str, model: str, req: CompletionRequest, echo: str = ""
 ) -> CompletionResponse:
     """The non-streamed text completion of a finished request (``echo``: the prompt text,
-    put before each choice's text)."""
+    put before each choice's text; with ``logprobs`` too, the prompt's tokens lead
+    ``logprobs``; ``prompt_logprobs``: vLLM's field)."""
     return CompletionResponse(
         id=request_id,
         model=model,
@@ -206,7 +291,8 @@ def completion_response(
                 index=i,
                 text=echo + ev.final_text,
                 finish_reason=ev.finish_reason,
-                logprobs=CompletionLogprobsBuilder(len(echo))(ev.logprobs) if logprobs else None,
+                logprobs=_completion_logprobs(ev, req, echo),
+                prompt_logprobs=prompt_logprobs_of(ev.prompt_logprobs, req.prompt_logprobs),
             )
             for i, ev in enumerate(events)
         ],
@@ -219,23 +305,20 @@ async def chat_stream(
     request: Request,
     request_id: str,
     model: str,
-    include_usage: bool,
-    logprobs: bool = False,
-    tools: bool = False,
+    req: ChatCompletionRequest,
 ) -> AsyncIterator[str]:
     """SSE chunks of a streamed chat completion (one choice per ticket). With ``tools``,
-    text that may start a ``<tool_call>`` block is held back; at the end of the choice its
-    calls go out as tool-call deltas (:func:`tool_call_deltas`), the rest as content."""
-    created = int(time.time())
+    ``<tool_call>`` blocks go out as OpenAI tool-call deltas, their arguments piece by piece
+    as they are generated (:class:`edgebuild.serve.tools.ToolCallStream`), the rest as
+    content; a choice that made calls finishes with ``tool_calls``."""
+    lines = _Chunks(ChatCompletionChunk, request_id, model)
+    logprobs, tools = bool(req.logprobs), req.uses_tools
 
     def chunk(i: int, delta: DeltaMessage, finish=None, lp=None) -> str:
-        choice = ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp)
-        return _chunk(
-            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
-        )
+        return lines.of(ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp))
 
     done: list[Event] = []
-    filters = [ToolStreamFilter() if tools else None for _ in tickets]
+    streams = [ToolCallStream() if tools else None for _ in tickets]
     try:
         for i in range(len(tickets)):
             yield chunk(i, DeltaMessage(role="assistant", content=""))
@@ -243,28 +326,23 @@ async def chat_stream(
             if ev.kind == "error":
                 yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
-            text = ev.text if filters[i] is None else filters[i].feed(ev.text)
-            if text or ev.logprobs:
-                yield chunk(i, DeltaMessage(content=text), lp=_chat_logprobs(ev, logprobs))
+            calls = streams[i]
+            pieces = [{"content": ev.text}] if calls is None else calls.feed(ev.text)
+            if ev.kind == "done" and calls is not None:
+                pieces += calls.finish()
+            lp = _chat_logprobs(ev, logprobs) if ev.logprobs else None
+            if lp is not None and not pieces:
+                pieces = [{"content": ""}]  # the entries of tokens held back
+            for k, piece in enumerate(pieces):
+                if piece.get("content") == "" and lp is None:
+                    continue
+                yield chunk(i, DeltaMessage(**piece), lp=lp if k == 0 else None)
             if ev.kind == "done":
                 done.append(ev)
-                finish = ev.finish_reason
-                if filters[i] is not None and filters[i].held:
-                    content, calls = parse_tool_calls(filters[i].held)
-                    if content and not calls:
-                        content = filters[i].held  # no call in it: the text as it was
-                    if content:
-                        yield chunk(i, DeltaMessage(content=content))
-                    if calls:
-                        yield chunk(i, DeltaMessage(tool_calls=tool_call_deltas(calls)))
-                        finish = "tool_calls"
+                finish = "tool_calls" if calls is not None and calls.calls else ev.finish_reason
                 yield chunk(i, DeltaMessage(), finish)
-        if include_usage and len(done) == len(tickets):
-            usage = ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=[], usage=_usage(done)
-            )
-            yield _chunk(usage)
-        yield DONE
+        for line in lines.end(done, len(tickets), req.include_usage):
+            yield line
     finally:
         for ticket in tickets:
             ticket.cancel()
@@ -275,41 +353,42 @@ async def completion_stream(
     request: Request,
     request_id: str,
     model: str,
-    include_usage: bool,
-    logprobs: bool = False,
+    req: CompletionRequest,
     echo: str = "",
 ) -> AsyncIterator[str]:
-    """SSE chunks of a streamed text completion (one choice per ticket; ``echo`` first)."""
-    created = int(time.time())
+    """SSE chunks of a streamed text completion (one choice per ticket; ``echo`` first:
+    with ``logprobs`` too each choice's echo chunk carries the prompt's entries, so it goes
+    out once the prompt is prefilled)."""
+    logprobs, echo_logprobs = req.logprobs, req.echo_logprobs
+    lines = _Chunks(CompletionResponse, request_id, model)
     builders = [CompletionLogprobsBuilder(len(echo)) for _ in tickets]
 
     def chunk(i: int, text: str, finish=None, entries=None) -> str:
-        lp = builders[i](entries or []) if logprobs and entries is not None else None
-        choice = CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)
-        return _chunk(
-            CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
-        )
+        lp = builders[i](entries or []) if logprobs is not None and entries is not None else None
+        return _completion_chunk(i, text, finish, lp)
+
+    def _completion_chunk(i: int, text: str, finish, lp) -> str:
+        return lines.of(CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp))
 
     done: list[Event] = []
     try:
-        if echo:
+        if echo and not echo_logprobs:
             for i in range(len(tickets)):
                 yield chunk(i, echo)
         async for i, ev in merged(tickets, request.is_disconnected):
             if ev.kind == "error":
                 yield sse(error_body(ev.status, ev.message, None, ev.code))
                 break
+            if echo_logprobs and ev.prompt_logprobs is not None:
+                head = builders[i].echoed(ev.prompt_logprobs, logprobs, echo)
+                yield _completion_chunk(i, echo, None, head)
             if ev.kind == "token":
                 yield chunk(i, ev.text, entries=ev.logprobs)
             else:
                 done.append(ev)
                 yield chunk(i, ev.text, ev.finish_reason, ev.logprobs)
-        if include_usage and len(done) == len(tickets):
-            usage = CompletionResponse(
-                id=request_id, created=created, model=model, choices=[], usage=_usage(done)
-            )
-            yield _chunk(usage)
-        yield DONE
+        for line in lines.end(done, len(tickets), req.include_usage):
+            yield line
     finally:
         for ticket in tickets:
             ticket.cancel()

@@ -112,13 +112,18 @@ class TrtDraft:
         num_tokens: list[int],
         params: list[SamplingParams],
         generators: list[torch.Generator],
+        constraints: list | None = None,
     ) -> list[Proposal]:
-        """One draft call per chunk of at most max-batch sequences: context update + block."""
+        """One draft call per chunk of at most max-batch sequences: context update + block
+        (``constraints``: per sequence its grammar's DraftMask or None, for the walk)."""
         out = []
         step = self.limits.max_batch
+        masks = constraints if constraints is not None else [None] * len(seqs)
         for i in range(0, len(seqs), step):
             c = slice(i, i + step)
-            out += self._propose_chunk(seqs[c], anchors[c], num_tokens[c], params[c], generators[c])
+            out += self._propose_chunk(
+                seqs[c], anchors[c], num_tokens[c], params[c], generators[c], masks[c]
+            )
         return out
 
     def _inputs(self, seqs, anchors, layout) -> dict[str, torch.Tensor]:
@@ -179,7 +184,9 @@ class TrtDraft:
                 self.ring.advance(s, m)
             self.pending.pop(s.seq_id, None)
 
-    def _propose_chunk(self, seqs, anchors, num_tokens, params, generators) -> list[Proposal]:
+    def _propose_chunk(
+        self, seqs, anchors, num_tokens, params, generators, constraints=None
+    ) -> list[Proposal]:
         feats = [self.pending.get(s.seq_id) for s in seqs]
         counts = [0 if f is None else int(f.shape[0]) for f in feats]
         undo = [(s, s.length if self.ring is None else self.ring.state(s)) for s in seqs]
@@ -197,7 +204,9 @@ class TrtDraft:
             raise
         self._commit(seqs, counts)
         conf = lattice[2] if self.has_confidence else None
-        return walk_lattice(lattice[0], lattice[1], conf, num_tokens, params, generators)
+        return walk_lattice(
+            lattice[0], lattice[1], conf, num_tokens, params, generators, constraints
+        )
 
     def _execute(self, seqs, anchors, feats, layout, width) -> list[torch.Tensor]:
         """One engine call; the lattice (candidates, scores[, confidence]) on the host."""
