@@ -139,19 +139,24 @@ def _offset_rope(model):
     raise AssertionError("no rope_cos_sin initializer in the base graph")
 
 
-@pytest.mark.parametrize("fault", [_swap_inputs, _offset_rope], ids=["swap", "rope"])
-def test_a_deliberate_export_fault_in_a_copy_of_the_graph_fails_the_check(
-    tiny_bundle, tiny_pair, fault, tmp_path
-):
+def faulty_copy(bundle: Path, fault, tmp_path: Path) -> LLM:
+    """An adapter LLM over a copy of ``bundle`` whose base graph has ``fault`` applied."""
     copy = tmp_path / "faulty"
-    shutil.copytree(tiny_bundle, copy)
+    shutil.copytree(bundle, copy)
     path = copy / "base" / "model.onnx"
     model = onnx.load(str(path))
     fault(model)
     for f in (copy / "base").glob("model.onnx*"):
         f.unlink()
     onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data")
-    faulty = LLM(copy, backend="onnxruntime", options=FP32, verify_bundle=False)
+    return LLM(copy, backend="onnxruntime", options=FP32, verify_bundle=False)
+
+
+@pytest.mark.parametrize("fault", [_swap_inputs, _offset_rope], ids=["swap", "rope"])
+def test_a_deliberate_export_fault_in_a_copy_of_the_graph_fails_the_check(
+    tiny_bundle, tiny_pair, fault, tmp_path
+):
+    faulty = faulty_copy(tiny_bundle, fault, tmp_path)
     with pytest.raises((AssertionError, EngineError)):
         check_parity(faulty, tiny_pair[1], TINY_PROMPTS[:2], max_tokens=4)
 
@@ -168,6 +173,75 @@ def test_a_bfloat16_bundle_is_refused_with_how_to_rebuild(tiny_bundle, tmp_path)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"bfloat16 graph.*--dtype float32"):
         LLM(copy, backend="onnxruntime", options=FP32, verify_bundle=False)
+
+
+# ---------------------------------------------------------------------- NVFP4 weights
+@pytest.fixture(scope="module")
+def nvfp4_bundle(tmp_path_factory) -> Path:
+    """A tiny Qwen3 quantized to NVFP4 by ModelOpt (lm_head too, so the draft graph borrows an
+    NVFP4 head), with a random DSpark draft, built with native DequantizeLinear chains."""
+    pytest.importorskip("modelopt.torch.quantization", reason="the NVFP4 fixture needs modelopt")
+    from modelopt_fixtures import make_tiny_nvfp4_qwen3
+
+    root = tmp_path_factory.mktemp("ort-nvfp4")
+    target = make_tiny_nvfp4_qwen3(root, quantize_lm_head=True)
+    write_tiny_tokenizer(target, 1000)
+    draft = make_random_draft(root / "draft", target, num_layers=1, block_size=4)
+    limits = dict(max_batch_size=2, max_input_len=32, max_kv_cache_capacity=64, page_size=8)
+    return build_fp32(target, draft, root / "bundle", **limits)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_pair(nvfp4_bundle):
+    return (
+        LLM(nvfp4_bundle, backend="onnxruntime", options=FP32),
+        LLM(nvfp4_bundle, backend="torch", options=FP32),
+    )
+
+
+def test_the_fp8_and_fp4_decoders_equal_torchs_and_the_spec_table():
+    from edgebuild.runtime.ort_dequant import e2m1_values, e4m3fn_values
+
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(e4m3fn_values(), want)  # NaN == NaN here
+    assert e4m3fn_values()[0x7E] == 448.0 and e4m3fn_values()[0x01] == 2.0**-9
+    assert list(e2m1_values()[:8]) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]  # spec table
+    assert list(e2m1_values()[8:]) == [-0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+
+
+def test_an_nvfp4_bundle_runs_its_folded_weights_and_equals_the_torch_nvfp4_target(
+    nvfp4_bundle, nvfp4_pair
+):
+    """The shipped graphs hold FP4 DequantizeLinear chains (onnxruntime has no kernel); the
+    adapter folds them in memory (runtime/ort_dequant.py) and equals the torch runtime's
+    NVFP4 target (dequantized by edgebuild.checkpoint.quant)."""
+    base = onnx.load(str(nvfp4_bundle / "base" / "model.onnx"), load_external_data=False)
+    fp4 = {t.name for t in base.graph.initializer if t.data_type == onnx.TensorProto.FLOAT4E2M1}
+    assert "lm_head.weight" in fp4 and len(fp4) == 2 * 7 + 1  # the file on disk: unchanged
+    ort, ref = nvfp4_pair
+    assert ort.target.runner.folded == 2 * len(fp4) and ort.draft.runner.folded == 2
+    check_parity(ort, ref, TINY_PROMPTS, max_tokens=10)
+
+
+def _drop_a_scale(model):
+    """weight_scale_2 (the global scale of the NVFP4 block scales) of one linear set to 1."""
+    from onnx import numpy_helper
+
+    name = "model.layers.1.mlp.down_proj.weight_scale_2"
+    for i, init in enumerate(model.graph.initializer):
+        if init.name == name:
+            one = np.ones_like(numpy_helper.to_array(init))
+            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(one, name))
+            return
+    raise AssertionError(f"no {name} initializer in the base graph")
+
+
+def test_a_dropped_dequantize_scale_in_a_copy_of_the_graph_fails_the_check(
+    nvfp4_bundle, nvfp4_pair, tmp_path
+):
+    faulty = faulty_copy(nvfp4_bundle, _drop_a_scale, tmp_path)
+    with pytest.raises(AssertionError):
+        check_parity(faulty, nvfp4_pair[1], TINY_PROMPTS[:2], max_tokens=4)
 
 
 # ---------------------------------------------------------------------- the example bundle
@@ -215,6 +289,48 @@ def test_prefix_cache_hits_and_chunked_prefill_on_the_adapter_equal_the_torch_ba
     got = [[s.output_ids for s in ort.generate_ids([p], sp)][0] for p in prompts]
     assert got == want
     assert ort.decoder.stats.prefix_hits >= 16  # the second prompt reused the shared pages
+
+
+def run_scheduler(llm, prompts, params) -> tuple[list, int]:
+    """The final events of ``prompts`` submitted together to the serving scheduler, and its
+    preemption count (as tests/test_draft_kv_budget.py)."""
+    import asyncio
+
+    from edgebuild.serve.scheduler import Scheduler
+
+    async def main():
+        sched = Scheduler(llm, max_batch_size=2)
+        sched.start()
+        try:
+            tickets = [sched.submit(p, params) for p in prompts]
+            ends = [ev for t in tickets async for ev in t.events() if ev.kind != "token"]
+            return ends, sched.metrics.preemptions._value.get()
+        finally:
+            await asyncio.to_thread(sched.close)
+
+    return asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def test_a_pool_too_small_for_two_requests_preempts_on_the_adapter_and_stays_exact(tiny_pair):
+    """The engines' pool (16 pages of 8 rows) less 6 pages held by another sequence: each
+    request (~50 rows, 7 pages) fits alone, both do not; the scheduler preempts one, which
+    recomputes through the adapter, and both equal the torch backend's solo runs."""
+    ort, ref = tiny_pair
+    prompts = [[5, 9, 2, 33, 7, 11], [12, 4, 80, 3, 19]]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [ref.generate_ids([p], params)[0].stopper.final_text() for p in prompts]
+    alloc = ort.target.allocator
+    hog = alloc.new_sequence()
+    alloc.reserve(hog, 6 * alloc.page_size)
+    try:
+        ends, preemptions = run_scheduler(ort, prompts, params)
+    finally:
+        alloc.free(hog)
+    assert [e.kind for e in ends] == ["done", "done"], [e.message for e in ends]
+    assert preemptions >= 1
+    assert [e.completion_tokens for e in ends] == [40, 40]
+    assert [e.final_text for e in ends] == want
+    assert ort.free_pages() == (alloc.num_pages, ort.draft.allocator.num_pages)
 
 
 def test_auto_never_picks_onnxruntime_and_it_needs_a_bundle(tiny_bundle, tmp_path):

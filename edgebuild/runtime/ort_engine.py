@@ -9,6 +9,9 @@ own graphs (``roles.<role>.onnx`` of the manifest: ``base/model.onnx``, ``base/d
   ``kv_cache_i`` itself, as TensorRT aliases it, so the copy is the pool's in-place update.
 * The ``EdgebuildAttention`` plugin node runs the plugin's host code
   (:mod:`edgebuild.runtime.ort_attention`).
+* FP4 ``DequantizeLinear`` chains (NVFP4 weights), which onnxruntime cannot execute, are
+  folded into their float32 weights in the loaded copy of the graph
+  (:mod:`edgebuild.runtime.ort_dequant`).
 * ``profile`` and ``graph_key`` are recorded (``keys``), not used: onnxruntime has no
   optimization profiles or CUDA graphs; the shapes are checked against the profile anyway, as
   TensorRT's ``set_input_shape`` would.
@@ -76,6 +79,7 @@ class OrtRunner:
         import onnx
 
         from edgebuild.runtime.ort_attention import register_attention_op, session_model
+        from edgebuild.runtime.ort_dequant import fold_fp4_dequantize
 
         ort = load_onnxruntime()
         self.path, self.io, self.role, self.profiles = Path(onnx_path), io, io.role, profiles
@@ -86,6 +90,7 @@ class OrtRunner:
         options.log_severity_level = 3
         try:
             model = onnx.load(str(self.path))
+            self.folded = fold_fp4_dequantize(model)  # in memory (ort_dequant)
             self.session = ort.InferenceSession(
                 session_model(model), options, providers=["CPUExecutionProvider"]
             )
