@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ATOL = RTOL = 1e-4
 EXAMPLE_ATOL, EXAMPLE_RTOL = 3e-3, 1e-3  # the 30-layer example model (see its test)
 FP32 = RuntimeOptions(dtype=torch.float32, ort_threads=1)
+N_SAMPLED = 800  # requests of the sampled-DSpark distribution test
 
 
 def build_fp32(target: Path, draft: Path | None, out: Path, **limits) -> Path:
@@ -289,6 +290,70 @@ def test_prefix_cache_hits_and_chunked_prefill_on_the_adapter_equal_the_torch_ba
     got = [[s.output_ids for s in ort.generate_ids([p], sp)][0] for p in prompts]
     assert got == want
     assert ort.decoder.stats.prefix_hits >= 16  # the second prompt reused the shared pages
+
+
+def chi2_limit(dof: int) -> float:
+    """The chi-square 0.999 quantile (Wilson-Hilferty), as tests/test_dspark_decoding.py."""
+    import math
+
+    return dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.fixture(scope="module")
+def vocab8_pair(tmp_path_factory):
+    """The sampled-DSpark test's pair: the vocab-8 tiny Llama of tests/test_dspark_decoding.py
+    (few outcomes: the chi-square has power at a few hundred requests) with a random draft."""
+    from tiny_checkpoints import write_tiny_llama
+
+    root = tmp_path_factory.mktemp("ort-v8")
+    target = write_tiny_llama(root / "t", vocab=8, layers=2, seed=5, sharpen=3.0)
+    write_tiny_tokenizer(target, 8)
+    draft = make_random_draft(root / "d", target, block_size=4, markov_rank=4, scale=0.5)
+    limits = dict(max_batch_size=2, max_input_len=16, max_kv_cache_capacity=32, page_size=8)
+    bundle = build_fp32(target, draft, root / "bundle", num_speculative_tokens=3,
+                        draft_top_k=4, **limits)  # fmt: skip
+    return (
+        LLM(bundle, backend="onnxruntime", options=FP32),
+        LLM(bundle, backend="torch", options=FP32),
+    )
+
+
+def test_sampled_dspark_on_the_adapter_follows_the_targets_law(vocab8_pair):
+    """Chi-square of (token 2, token 3) against the exact law from the torch backend's target
+    (as tests/test_dspark_decoding.py): token 1 comes from the prefill, tokens 2 and 3 are
+    drafted and verified by rejection sampling (max_tokens 4), one fixed seed per request.
+    Power (tried once): the counts against the law at temperature 1.1 or 1.6 instead of 1.3
+    give chi2 100 / 124, the limit is 48 (22 degrees of freedom)."""
+    ort, ref = vocab8_pair
+    prompt, temp, n = [1, 2, 3], 1.3, N_SAMPLED
+
+    def probs(ids):
+        seq = ref.target.new_sequence()
+        step = ref.target.forward([seq], [torch.tensor(ids)], [[len(ids) - 1]])
+        ref.target.free(seq)
+        return torch.softmax(step.logits[0][0].double() / temp, -1)
+
+    vocab = 8
+    exact = torch.zeros(vocab, vocab, dtype=torch.float64)  # the law of (t2, t3)
+    p1 = probs(prompt)
+    for t1 in range(vocab):
+        p2 = probs(prompt + [t1])
+        for t2 in range(vocab):
+            exact[t2] += p1[t1] * p2[t2] * probs(prompt + [t1, t2])
+    counts, accepted = torch.zeros_like(exact), 0
+    for i in range(0, n, 2):
+        params = [SamplingParams(max_tokens=4, temperature=temp, seed=7000 + i + j,
+                                 ignore_eos=True) for j in (0, 1)]  # fmt: skip
+        for st in ort.generate_ids([prompt, prompt], params):
+            counts[st.output_ids[1], st.output_ids[2]] += 1
+            accepted += st.metrics.accepted_at[0] if st.metrics.accepted_at else 0
+    expected, counts = exact.flatten() * n, counts.flatten()
+    keep = expected >= 5  # chi-square validity; pool the rest
+    obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
+    chi2, dof = float(((obs - exp) ** 2 / exp.clamp_min(1e-9)).sum()), int(keep.sum())
+    assert chi2 < chi2_limit(dof), (chi2, chi2_limit(dof), dof)
+    assert 0.05 * n < accepted < 0.95 * n, accepted  # drafts both accepted and rejected
 
 
 def run_scheduler(llm, prompts, params) -> tuple[list, int]:
