@@ -6,9 +6,13 @@ Oracle: the torch backend over the bundle's source checkpoints, at float32 (the 
 built ``--onnx-only --dtype float32``; onnxruntime's CPU provider has no bfloat16 MatMul).
 Tolerance policy (fp32): prompt logits and cached K/V within atol 1e-4, rtol 1e-4 of torch's
 on the tiny 2-layer bundle, atol 3e-3, rtol 1e-3 on the 30-layer example (largest difference
-seen 9.2e-4: GEMM summation order); greedy tokens (target-only and DSpark) identical. Meta-tests: deliberate export faults applied to a copy of
-the base graph (two inputs swapped; the RoPE table offset by one row) make the check fail.
-The example SmolLM2-135M bundle (BF16 checkpoint + shipped DSpark draft) is ``slow``.
+seen 9.2e-4: GEMM summation order); greedy tokens (target-only and DSpark) identical. Meta-tests: deliberate export faults applied to
+a copy of the base graph (two inputs swapped; the RoPE table offset by one row; one NVFP4
+dequantize scale replaced by 1) make the check fail. Also on the adapter: a tiny NVFP4
+bundle (FP4 DequantizeLinear chains folded in memory, runtime/ort_dequant.py) against the
+torch backend's NVFP4 target; preemption in the serving scheduler; sampled DSpark against the
+target's exact law (chi-square); a tiny VLM bundle with two images. The example SmolLM2-135M
+bundle (BF16 checkpoint + shipped DSpark draft) is ``slow``.
 """
 
 from __future__ import annotations
@@ -243,6 +247,67 @@ def test_a_dropped_dequantize_scale_in_a_copy_of_the_graph_fails_the_check(
     faulty = faulty_copy(nvfp4_bundle, _drop_a_scale, tmp_path)
     with pytest.raises(AssertionError):
         check_parity(faulty, nvfp4_pair[1], TINY_PROMPTS[:2], max_tokens=4)
+
+
+# ---------------------------------------------------------------------- a VLM bundle
+@pytest.fixture(scope="module")
+def vlm_pair(tmp_path_factory):
+    """The tiny random Qwen2.5-VL of tests/vlm_fixtures.py with a random DSpark draft, built
+    ``--onnx-only --dtype float32``: plugin base and draft graphs, portable visual graph."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("PIL")
+    from vlm_fixtures import write_tiny_vlm
+
+    root = tmp_path_factory.mktemp("ort-vlm")
+    target = write_tiny_vlm(root / "vlm")
+    draft = make_random_draft(root / "draft", target, block_size=5, num_layers=1)
+    limits = dict(max_batch_size=2, max_input_len=128, max_kv_cache_capacity=256, page_size=16,
+                  max_image_tokens=64, max_images=3)  # fmt: skip
+    bundle = build_fp32(target, draft, root / "bundle", **limits)
+    return (
+        LLM(bundle, backend="onnxruntime", options=FP32),
+        LLM(bundle, backend="torch", options=FP32),
+        bundle,
+    )
+
+
+def test_a_vlm_bundle_with_two_images_on_the_adapter_equals_the_torch_backend(vlm_pair):
+    """The visual graph and the multimodal base graph run on onnxruntime: greedy target-only
+    and DSpark tokens of a two-image prompt (and a one-image one) equal the torch backend's."""
+    from vlm_fixtures import noise_image
+
+    ort, ref, _ = vlm_pair
+    img = {"type": "image_url", "image_url": {"url": "data:,"}}
+    two = [noise_image(60, 100, seed=2), noise_image(90, 50, seed=3)]
+    one = [noise_image(200, 130, seed=1)]
+    msgs = [[{"role": "user", "content": [img, {"type": "text", "text": "vs"}, img]}],
+            [{"role": "user", "content": [img, {"type": "text", "text": "Hi"}]}]]  # fmt: skip
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(llm, draft, pictures):
+        images = [llm.process_images(p) for p in pictures]
+        ids = [llm.encode_messages(m, im) for m, im in zip(msgs, images, strict=True)]
+        runner = llm if draft else llm.without_draft()
+        return [s.output_ids for s in runner.generate_ids(ids, sp, images=images)]
+
+    want = run(ref, False, [two, one])
+    assert run(ort, False, [two, one]) == want
+    assert run(ort, True, [two, one]) == want
+    assert ort.target.runner.keys and ort.vision.tower.runner.keys  # the visual graph ran
+    swapped = [two[::-1], one]  # the images matter to the tokens
+    assert run(ort, False, swapped) == run(ref, False, swapped) != want
+
+
+def test_a_vlm_bundle_without_its_visual_graph_is_refused_naming_it(vlm_pair, tmp_path):
+    import json
+
+    copy = tmp_path / "novis"
+    shutil.copytree(vlm_pair[2], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["roles"]["visual"]["onnx"] = None
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"no visual graph \(manifest roles.visual.onnx\)"):
+        LLM(copy, backend="onnxruntime", options=FP32, verify_bundle=False)
 
 
 # ---------------------------------------------------------------------- the example bundle

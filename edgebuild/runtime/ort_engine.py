@@ -151,6 +151,31 @@ class OrtRunner:
             dst.copy_(src)
 
 
+def _check_visual_graph(manifest: dict, config, bundle: Path) -> bool:
+    """True when the target is a VLM: its ``visual`` graph (``roles.visual.onnx``, no engine
+    needed here) and the base graph's image inputs, as the TensorRT backend checks engines.
+
+    Raises:
+        ConfigError: a VLM target whose bundle has no visual graph or whose base graph has no
+            image inputs.
+    """
+    from edgebuild.errors import ConfigError
+    from edgebuild.runtime.trt.runtime import _check_vision
+
+    if config.vision_config is None:
+        return False
+    roles = manifest.get("roles") or {}
+    visual = roles.get("visual") or {}
+    if not visual.get("onnx"):
+        raise ConfigError(
+            f"{bundle}: the target is a vision-language model but the bundle has no visual "
+            "graph (manifest roles.visual.onnx); rebuild it with `edgebuild build --onnx-only "
+            "--dtype float32`, or use --backend torch"
+        )
+    as_engines = {**roles, "visual": {**visual, "engine": visual["onnx"]}}
+    return _check_vision({**manifest, "roles": as_engines}, config, bundle)
+
+
 def open_ort_runtime(resolved, spec, threads: int = 0, source=None):
     """A bundle's ONNX graphs in onnxruntime sessions, driven by :mod:`edgebuild.runtime.trt`
     (the ``onnxruntime`` backend): :func:`~edgebuild.runtime.trt.runtime.assemble_runtime`
@@ -164,7 +189,7 @@ def open_ort_runtime(resolved, spec, threads: int = 0, source=None):
     from edgebuild.checkpoint.config import ModelConfig
     from edgebuild.checkpoint.source import WeightSource
     from edgebuild.errors import ConfigError
-    from edgebuild.runtime.trt.runtime import _check_spec, _check_vision, assemble_runtime
+    from edgebuild.runtime.trt.runtime import _check_spec, assemble_runtime
     from edgebuild.runtime.trt_plan import EngineLimits, role_io, role_profiles
 
     if resolved.bundle is None:
@@ -174,7 +199,7 @@ def open_ort_runtime(resolved, spec, threads: int = 0, source=None):
     bundle, manifest = Path(resolved.bundle), resolved.manifest
     source = source if source is not None else WeightSource(resolved.target)
     config = ModelConfig.from_dict(source.config, str(source.config_path))
-    with_visual = _check_vision(manifest, config, bundle)
+    with_visual = _check_visual_graph(manifest, config, bundle)
     with_draft = _check_spec(manifest, spec, EngineLimits.from_manifest(manifest), bundle)
     roles = ["base", *(["draft"] if with_draft else []), *(["visual"] if with_visual else [])]
     graphs = {r: bundle / (manifest["roles"][r].get("onnx") or f"{r}/model.onnx") for r in roles}
