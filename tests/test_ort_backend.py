@@ -123,6 +123,8 @@ def test_the_tiny_bundles_graphs_on_onnxruntime_equal_the_torch_backend(tiny_pai
     check_parity(ort, ref, TINY_PROMPTS, max_tokens=10)
     runner = ort.target.runner
     assert {p for p, _ in runner.keys} == {0, 1}  # prefill and generate profiles both ran
+    # every KV output was the plugin's in-place write into the pool (no copy back)
+    assert runner.in_place == 2 * len(runner.keys) and ort.draft.runner.in_place > 0
     assert ort.target.allocator.free_pages == ort.target.limits.num_pages
 
 

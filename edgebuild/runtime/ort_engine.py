@@ -5,8 +5,11 @@ own graphs (``roles.<role>.onnx`` of the manifest: ``base/model.onnx``, ``base/d
 ``visual/model.onnx``; never rewritten on disk), on the CPU.
 
 * Inputs are the bound views (zero-copy numpy views of the CPU buffers); every output is
-  copied into its bound view. A KV output (``present_kv_cache_i``) is bound to the pool
-  ``kv_cache_i`` itself, as TensorRT aliases it, so the copy is the pool's in-place update.
+  copied into its bound view, but for the KV outputs: ``present_kv_cache_i`` is bound to the
+  pool ``kv_cache_i`` itself, as TensorRT aliases it, and the plugin node writes its K/V rows
+  straight into that pool (:func:`~edgebuild.runtime.ort_attention.bound_pools`; the whole
+  pool never goes back through onnxruntime). A node that did not (no such binding) has its
+  full ``present_kv_cache`` output copied into the pool instead.
 * The ``EdgebuildAttention`` plugin node runs the plugin's host code
   (:mod:`edgebuild.runtime.ort_attention`).
 * FP4 ``DequantizeLinear`` chains (NVFP4 weights), which onnxruntime cannot execute, are
@@ -103,6 +106,10 @@ class OrtRunner:
         self.inputs = [t.name for t in io.inputs]
         self.outputs = [t.name for t in io.outputs]
         self.keys: list[tuple[int, tuple | None]] = []
+        # present_kv_cache_i -> kv_cache_i: TensorRT aliases them (the pool, updated in place)
+        self.aliases = {o: "kv_cache_" + o.removeprefix("present_kv_cache_")
+                        for o in self.outputs if o.startswith("present_kv_cache_")}  # fmt: skip
+        self.in_place = 0  # KV outputs written in place (not copied back) so far
 
     @torch.no_grad()
     def execute(
@@ -124,12 +131,14 @@ class OrtRunner:
         shapes = {n: tuple(bindings[n].shape) for n in self.inputs}
         if not prof.admits(shapes):
             raise EngineError(f"{self.path}: input shapes {shapes} are outside profile {prof.name}")
-        from edgebuild.runtime.ort_attention import take_errors
+        from edgebuild.runtime.ort_attention import bound_pools, take_errors
 
         take_errors()
         feed = {n: bindings[n].numpy() for n in self.inputs}
+        pools = {i: feed[i] for i in self.aliases.values()}
         try:
-            outs = self.session.run(self.outputs, feed)
+            with bound_pools(pools) as written:
+                outs = self.session.run(self.outputs, feed)
         except Exception as exc:
             raise EngineError(
                 f"{self.path}: onnxruntime failed on the {self.role} graph: {exc}"
@@ -141,6 +150,9 @@ class OrtRunner:
                 f"{refused[0]}"
             )
         for name, value in zip(self.outputs, outs, strict=True):
+            if self.aliases.get(name) in written:
+                self.in_place += 1
+                continue  # the plugin node wrote this pool in place (ort_attention)
             dst = bindings[name]
             src = torch.from_numpy(value)
             if tuple(src.shape) != tuple(dst.shape):
