@@ -340,6 +340,24 @@ def test_the_example_bundle_on_onnxruntime_equals_the_torch_backend(tmp_path_fac
     check_parity(ort, ref, EXAMPLE_PROMPTS, max_tokens=6, atol=EXAMPLE_ATOL, rtol=EXAMPLE_RTOL)
 
 
+@pytest.mark.slow
+def test_the_example_nvfp4_bundle_on_onnxruntime_equals_the_torch_nvfp4_target(
+    nvfp4_dir, tmp_path_factory
+):
+    """The example's NVFP4 target (ModelOpt NVFP4 weights and lm_head, the draft borrowing the
+    NVFP4 head) with the shipped draft: its FP4 DequantizeLinear chains folded in memory
+    (runtime/ort_dequant.py); the same policy as the BF16 example (largest logit difference
+    seen 1.4e-3). About 2 minutes here: a 41 s build, 50 s of loading (the fold decodes 30
+    layers' weights), 15 s of decoding."""
+    draft = ROOT / "edgebuild" / "data" / "smollm2-135m-dspark"
+    limits = dict(max_batch_size=2, max_input_len=32, max_kv_cache_capacity=64, page_size=16)
+    bundle = build_fp32(nvfp4_dir, draft, tmp_path_factory.mktemp("exnv") / "bundle", **limits)
+    ort = LLM(bundle, backend="onnxruntime", options=FP32)
+    ref = LLM(bundle, backend="torch", options=FP32)
+    assert ort.target.runner.folded > 2 * 7 * 30 and ort.draft.runner.folded == 2  # + lm_head
+    check_parity(ort, ref, EXAMPLE_PROMPTS, max_tokens=6, atol=EXAMPLE_ATOL, rtol=EXAMPLE_RTOL)
+
+
 # ---------------------------------------------------------------------- serving paths, CLI
 def test_prefix_cache_hits_and_chunked_prefill_on_the_adapter_equal_the_torch_backend(
     tiny_bundle,

@@ -106,7 +106,8 @@ def dequantize(x: np.ndarray, scale: np.ndarray, zero_point=None, axis=1, block_
         if s.ndim == 0 or s.size == 1:
             return s.reshape(())
         if block_size > 0 and s.ndim == x.ndim:
-            return np.repeat(s, block_size, axis=axis).take(range(x.shape[axis]), axis=axis)
+            cut = (slice(None),) * axis + (slice(0, x.shape[axis]),)
+            return np.repeat(s, block_size, axis=axis)[cut]
         if s.ndim == 1 and s.shape[0] == x.shape[axis]:
             return s.reshape([-1 if i == axis else 1 for i in range(x.ndim)])
         raise EngineError(
