@@ -128,6 +128,31 @@ def test_the_tiny_bundles_graphs_on_onnxruntime_equal_the_torch_backend(tiny_pai
     assert ort.target.allocator.free_pages == ort.target.limits.num_pages
 
 
+def test_without_bound_pools_the_full_present_kv_cache_is_copied_back_and_equal(
+    tiny_pair, monkeypatch
+):
+    """The fallback path (a node whose pool is not bound returns the whole updated pool, the
+    runner copies it in) gives the same logits and K/V as the in-place path."""
+    from contextlib import contextmanager
+
+    from edgebuild.runtime import ort_attention
+
+    real = ort_attention.bound_pools
+
+    @contextmanager
+    def unbound(pools):
+        with real({}) as written:
+            yield written
+
+    ort, ref = tiny_pair
+    before = ort.target.runner.in_place
+    monkeypatch.setattr(ort_attention, "bound_pools", unbound)
+    got = prompt_logits(ort, TINY_PROMPTS[:2])
+    assert ort.target.runner.in_place == before  # nothing was written in place
+    for g, w in zip(got, prompt_logits(ref, TINY_PROMPTS[:2]), strict=True):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+
+
 # ---------------------------------------------------------------------- meta-tests
 def _swap_inputs(model, a="past_lengths", b="input_lengths"):
     for node in model.graph.node:
