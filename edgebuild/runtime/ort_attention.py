@@ -8,9 +8,11 @@ The TensorRT plugin's computation has a host (CPU) build, ``plugins/src/attentio
 * registers a Python custom op with ``onnxruntime-extensions`` (:func:`register_attention_op`)
   whose body reads the node's attributes by the plugin's field names and its inputs in the
   plugin's order (``plugins/contract.json``), fills the plugin's ``EbAttentionParams`` and calls
-  ``eb_host_paged_attention``: ``attn_out`` and ``present_kv_cache`` (a copy of the input cache
-  with this call's writes; TensorRT aliases it to the input, the runner writes it back into
-  the pool).
+  ``eb_host_paged_attention``: ``attn_out`` and ``present_kv_cache``. TensorRT aliases
+  ``present_kv_cache`` to the input pool; here the runner binds its pools for the run
+  (:func:`bound_pools`) and the host code writes into the pool itself, the output being a
+  stub; an unbound node returns a copy of the input cache with this call's writes, which
+  the runner copies into the pool.
 
 Why a Python custom op and not a compiled onnxruntime custom-op library: building one needs
 the C API header of the pinned onnxruntime release, which the Python wheel does not ship.
@@ -29,6 +31,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -200,6 +203,7 @@ ERRORS: list[str] = []  # refusals of the op's calls, raised by the runner after
 BOUND: dict[str, np.ndarray] = {}
 WRITTEN: set[str] = set()
 _STUB = np.zeros(1, dtype=np.float32)
+_RUN_LOCK = threading.Lock()
 
 
 def take_errors() -> list[str]:
@@ -211,21 +215,23 @@ def take_errors() -> list[str]:
 
 @contextmanager
 def bound_pools(pools: dict[str, np.ndarray]):
-    """Bind the KV pools for one session run: a plugin node whose ``kv_cache`` input is one of
-    ``pools`` (by graph input name, attribute :data:`KV_INPUT_ATTR`; in a chain of nodes on
-    one pool, as the draft's context write then block read, each names the chain's graph
-    input) writes its K/V rows into
-    that array in place, as TensorRT aliases ``present_kv_cache`` to ``kv_cache``, and
-    returns a 1-element stub for ``present_kv_cache`` instead of the whole pool (which
-    onnxruntime-extensions would pass back through a Python list). Yields :data:`WRITTEN`,
-    the names written in place."""
-    BOUND.clear()
-    WRITTEN.clear()
-    BOUND.update(pools)
-    try:
-        yield WRITTEN
-    finally:
+    """Bind the KV pools for one session run.
+
+    A plugin node whose ``kv_cache`` input is one of ``pools`` (by graph input name, attribute
+    :data:`KV_INPUT_ATTR`; in a chain of nodes on one pool, as the draft's context write then
+    block read, each names the chain's graph input) writes its K/V rows into that array in
+    place, as TensorRT aliases ``present_kv_cache`` to ``kv_cache``, and returns a 1-element
+    stub for ``present_kv_cache`` instead of the whole pool (which onnxruntime-extensions
+    would pass back through a Python list). Yields :data:`WRITTEN`, the names written in
+    place. Runs are serialized (one lock for the process: the tables are global)."""
+    with _RUN_LOCK:  # one bound run at a time in the process (the tables are global)
         BOUND.clear()
+        WRITTEN.clear()
+        BOUND.update(pools)
+        try:
+            yield WRITTEN
+        finally:
+            BOUND.clear()
 
 
 def _check_fp32(fn):
