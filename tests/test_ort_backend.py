@@ -12,7 +12,8 @@ dequantize scale replaced by 1) make the check fail. Also on the adapter: a tiny
 bundle (FP4 DequantizeLinear chains folded in memory, runtime/ort_dequant.py) against the
 torch backend's NVFP4 target; preemption in the serving scheduler; sampled DSpark against the
 target's exact law (chi-square); a tiny VLM bundle with two images. The example SmolLM2-135M
-bundle (BF16 checkpoint + shipped DSpark draft) is ``slow``.
+bundles (BF16 checkpoint, and its NVFP4 export with the NVFP4 head; + the shipped DSpark
+draft) are ``slow``.
 """
 
 from __future__ import annotations
