@@ -7,6 +7,9 @@ SmolLM2-135M-Instruct, the held-out chat prompts of ``tools/train_dspark/data/ev
 * ``edgebuild target-only`` and ``edgebuild DSpark`` (the shipped draft, 7 speculative tokens)
   at each ``--dtypes`` (float32, bfloat16) and ``--threads`` (1, 2); ``--quant int8`` adds the
   weight-only int8 opt-in;
+* ``edgebuild onnxruntime`` target-only and DSpark: the example pair's bundle (built here on
+  first use, ``--onnx-only --dtype float32``, into ``--ort-bundle``) on the onnxruntime
+  backend (the bundle's own graphs, ``runtime/ort_engine.py``) at each ``--threads``;
 * ``transformers generate`` (bf16, the same checkpoint);
 * ``onnxruntime-genai`` int4 and fp32, models built offline by its own builder from the same
   checkpoint (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p int4 -e cpu``;
@@ -22,6 +25,7 @@ context), tau, and whether DSpark's output equals target-only's on every prompt.
 ``bench/results/cpu_compare.json`` and ``cpu_compare.png``. Not run in CI.
 
     python bench/cpu_compare.py [--prompts 8 --max-tokens 128 --threads 1 2]
+        [--only "edgebuild"]  # keep the engines whose names contain one of these
 """
 
 from __future__ import annotations
@@ -167,6 +171,41 @@ class Transformers(Engine):
         return toks, max(t_all - t_first, 1e-9), None
 
 
+def build_ort_bundle(target: Path, draft: Path, out: Path) -> Path:
+    """The example pair's fp32 ONNX bundle for the onnxruntime backend (cached in ``out``)."""
+    if not (out / "manifest.json").is_file():
+        from edgebuild.bundle.build import BuildOptions, build_bundle, recipe_from_flags
+
+        limits = dict(max_batch_size=1, max_input_len=256, max_kv_cache_capacity=512,
+                      page_size=16, num_speculative_tokens=7)  # fmt: skip
+        recipe = recipe_from_flags(target, draft, **limits)
+        build_bundle(recipe, out, BuildOptions(onnx_only=True, progress=False, dtype="float32"))
+    return out
+
+
+class OrtBackend(Engine):
+    """edgebuild's onnxruntime backend on the bundle (one session set per thread count)."""
+
+    def __init__(self, bundle: Path, dspark: bool, threads: int, loaded: dict):
+        from edgebuild.runtime.llm import LLM, RuntimeOptions
+
+        mode = "DSpark" if dspark else "target-only"
+        self.name = f"edgebuild onnxruntime {mode} float32 t{threads}"
+        self.threads, self.dspark = threads, dspark
+        if threads not in loaded:
+            opts = RuntimeOptions(dtype=torch.float32, ort_threads=threads)
+            loaded[threads] = LLM(bundle, backend="onnxruntime", options=opts)
+        self.llm = loaded[threads] if dspark else loaded[threads].without_draft()
+
+    def run(self, ids, n):
+        from edgebuild.runtime.sampling import SamplingParams
+
+        torch.set_num_threads(self.threads)
+        st = self.llm.generate_ids([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+        m = st.metrics
+        return st.output_ids, m.decode_s, (m.tau if self.dspark else None)
+
+
 def build_ortgenai(target: Path, out: Path, precision: str) -> Path:
     """onnxruntime-genai's own model builder, offline, from the HF checkpoint (cached)."""
     model = out / precision
@@ -229,15 +268,25 @@ class LlamaCpp(Engine):
 
 def make_engines(args, skipped: dict) -> list[Engine]:
     engines: list[Engine] = []
+    ort_loaded: dict = {}
+
+    def wanted(*names: str) -> bool:  # --only: engine-name substrings to keep
+        return not args.only or any(k in n for k in args.only for n in names)
+
     for threads in args.threads:
         for dtype in args.dtypes:
             for draft in (None, args.draft):
                 engines.append(Edgebuild(args.target, draft, dtype, threads, args.max_tokens))
+        if wanted("edgebuild onnxruntime"):
+            bundle = build_ort_bundle(args.target, args.draft, args.ort_bundle)
+            engines += [OrtBackend(bundle, d, threads, ort_loaded) for d in (False, True)]
         if args.quant:
             for draft in (None, args.draft):
                 engines.append(
                     Edgebuild(args.target, draft, "bfloat16", threads, args.max_tokens, args.quant)
                 )
+        if not wanted("transformers", "onnxruntime-genai", "llama.cpp"):
+            continue
         engines.append(Transformers(args.target, threads))
         if importlib.util.find_spec("onnxruntime_genai") is None:
             skipped["onnxruntime-genai"] = "not installed: pip install onnxruntime-genai onnx-ir"
@@ -249,7 +298,7 @@ def make_engines(args, skipped: dict) -> list[Engine]:
             engines.append(LlamaCpp(threads))
         except ImportError as exc:
             skipped["llama.cpp"] = f"llama-cpp-python is not installed ({exc})"
-    return engines
+    return [e for e in engines if wanted(e.name)]
 
 
 def plot(rows: dict, path: Path) -> None:
@@ -285,6 +334,8 @@ def main() -> None:
     ap.add_argument("--quant", choices=["int8"], default=None)
     ap.add_argument("--step-repeats", type=int, default=40)
     ap.add_argument("--ortgenai-dir", type=Path, default=ROOT / ".cache" / "ortgenai")
+    ap.add_argument("--ort-bundle", type=Path, default=ROOT / ".cache" / "ort-bundle")
+    ap.add_argument("--only", nargs="*", default=[], help="engine-name substrings to keep")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     from edgebuild.runtime.llm import load_tokenizer
@@ -318,7 +369,7 @@ def main() -> None:
             row["tau"] = round(statistics.mean(r["taus"]), 3)
         results[e.name] = row
     for e in engines:  # exactness and speedup of each DSpark row against its target-only twin
-        if isinstance(e, Edgebuild) and e.dspark:
+        if getattr(e, "dspark", False):
             twin = e.name.replace("DSpark", "target-only")
             same = [
                 a == b for a, b in zip(per[e.name]["outputs"], per[twin]["outputs"], strict=True)

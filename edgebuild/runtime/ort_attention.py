@@ -8,9 +8,11 @@ The TensorRT plugin's computation has a host (CPU) build, ``plugins/src/attentio
 * registers a Python custom op with ``onnxruntime-extensions`` (:func:`register_attention_op`)
   whose body reads the node's attributes by the plugin's field names and its inputs in the
   plugin's order (``plugins/contract.json``), fills the plugin's ``EbAttentionParams`` and calls
-  ``eb_host_paged_attention``: ``attn_out`` and ``present_kv_cache`` (a copy of the input cache
-  with this call's writes; TensorRT aliases it to the input, the runner writes it back into
-  the pool).
+  ``eb_host_paged_attention``: ``attn_out`` and ``present_kv_cache``. TensorRT aliases
+  ``present_kv_cache`` to the input pool; here the runner binds its pools for the run
+  (:func:`bound_pools`) and the host code writes into the pool itself, the output being a
+  stub; an unbound node returns a copy of the input cache with this call's writes, which
+  the runner copies into the pool.
 
 Why a Python custom op and not a compiled onnxruntime custom-op library: building one needs
 the C API header of the pinned onnxruntime release, which the Python wheel does not ship.
@@ -29,6 +31,8 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +54,8 @@ EB_FLOAT32 = 0
 INT_ATTRS = ("num_q_heads", "num_kv_heads", "head_dim", "rotary_dim", "causal", "write_kv",
              "sliding_window", "page_size", "qk_norm", "has_tree_mask", "fp8_kv_cache")  # fmt: skip
 FLOAT_ATTRS = ("scale", "rms_norm_eps", "kv_scale")
+# added in memory by session_model: the name of the graph input feeding the node's kv_cache
+KV_INPUT_ATTR = "eb_kv_input"
 
 
 class EbAttentionParams(ctypes.Structure):
@@ -118,20 +124,27 @@ def _ptr(a: np.ndarray | None):
     return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
 
 
-def attention(qkv, kv_cache, page_table, past, lengths, positions, rope, qn=None, kn=None, **a):
+def attention(qkv, kv_cache, page_table, past, lengths, positions, rope, qn=None, kn=None,
+              in_place=False, **a):  # fmt: skip
     """One plugin call on host arrays (float32 qkv/cache, int32 indices, float32 RoPE table).
 
-    Returns ``(attn_out [B, S, Hq*D], present_kv_cache)`` (a copy of ``kv_cache`` with this
-    call's writes). Attributes ``a`` are the node's, by the plugin's field names.
+    Returns ``(attn_out [B, S, Hq*D], present_kv_cache)``: with ``in_place`` the call's K/V
+    writes go into ``kv_cache`` itself (a C-contiguous float32 array; TensorRT's aliasing)
+    and ``present_kv_cache`` is ``kv_cache``; else it is a copy with this call's writes.
+    Attributes ``a`` are the node's, by the plugin's field names.
 
     Raises:
-        EngineError: the host code refused the call (its message names the field).
+        EngineError: the host code refused the call (its message names the field), or an
+            ``in_place`` cache that is not C-contiguous float32.
     """
     arrays = [np.ascontiguousarray(x) for x in (qkv, page_table, past, lengths, positions, rope)]
     qkv, page_table, past, lengths, positions, rope = arrays
     qn = None if qn is None else np.ascontiguousarray(qn)
     kn = None if kn is None else np.ascontiguousarray(kn)
-    present = np.array(kv_cache, dtype=np.float32, copy=True, order="C")
+    if in_place and not (kv_cache.dtype == np.float32 and kv_cache.flags.c_contiguous
+                         and kv_cache.flags.writeable):  # fmt: skip
+        raise EngineError("EdgebuildAttention: an in-place KV pool must be C-contiguous float32")
+    present = kv_cache if in_place else np.array(kv_cache, dtype=np.float32, copy=True, order="C")
     b, s = qkv.shape[0], qkv.shape[1]
     out = np.zeros((b, s, a["num_q_heads"] * a["head_dim"]), dtype=np.float32)
     params = EbAttentionParams(
@@ -173,7 +186,8 @@ def register_attention_op() -> str:
     if not _REGISTERED:
         f, i = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32
         attrs = {**dict.fromkeys(INT_ATTRS, PyCustomOpDef.dt_int64),
-                 **dict.fromkeys(FLOAT_ATTRS, PyCustomOpDef.dt_float)}  # fmt: skip
+                 **dict.fromkeys(FLOAT_ATTRS, PyCustomOpDef.dt_float),
+                 KV_INPUT_ATTR: PyCustomOpDef.dt_string}  # fmt: skip
         base = [f, f, i, i, i, i, f]
         onnx_op(op_type=OP_TYPE, inputs=base, outputs=[f, f], attrs=attrs)(_check_fp32(attention))
         onnx_op(op_type=OP_TYPE_QK_NORM, inputs=[*base, f, f], outputs=[f, f], attrs=attrs)(
@@ -184,6 +198,12 @@ def register_attention_op() -> str:
 
 
 ERRORS: list[str] = []  # refusals of the op's calls, raised by the runner after the run
+# The runner's KV pools for one run (graph input name -> the bound pool's numpy view), and
+# the names the op wrote in place during it (their present_kv_cache output is a stub)
+BOUND: dict[str, np.ndarray] = {}
+WRITTEN: set[str] = set()
+_STUB = np.zeros(1, dtype=np.float32)
+_RUN_LOCK = threading.Lock()
 
 
 def take_errors() -> list[str]:
@@ -193,15 +213,42 @@ def take_errors() -> list[str]:
     return out
 
 
+@contextmanager
+def bound_pools(pools: dict[str, np.ndarray]):
+    """Bind the KV pools for one session run.
+
+    A plugin node whose ``kv_cache`` input is one of ``pools`` (by graph input name, attribute
+    :data:`KV_INPUT_ATTR`; in a chain of nodes on one pool, as the draft's context write then
+    block read, each names the chain's graph input) writes its K/V rows into that array in
+    place, as TensorRT aliases ``present_kv_cache`` to ``kv_cache``, and returns a 1-element
+    stub for ``present_kv_cache`` instead of the whole pool (which onnxruntime-extensions
+    would pass back through a Python list). Yields :data:`WRITTEN`, the names written in
+    place. Runs are serialized (one lock for the process: the tables are global)."""
+    with _RUN_LOCK:  # one bound run at a time in the process (the tables are global)
+        BOUND.clear()
+        WRITTEN.clear()
+        BOUND.update(pools)
+        try:
+            yield WRITTEN
+        finally:
+            BOUND.clear()
+
+
 def _check_fp32(fn):
     """The op body: an exception may not cross onnxruntime-extensions (it aborts the process),
     so a refused call records its message in :data:`ERRORS` and returns zeros."""
 
     def op(*inputs, **attrs):
+        name = attrs.pop(KV_INPUT_ATTR, "")
         try:
             if int(attrs.get("fp8_kv_cache", 0)) or int(attrs.get("has_tree_mask", 0)):
                 raise EngineError("fp8 KV caches and tree masks are not supported on the "
                                   "onnxruntime backend (float32 chain graphs only)")  # fmt: skip
+            pool = BOUND.get(name)  # then inputs[1] is the pool's copy, or an earlier stub
+            if pool is not None:
+                out, _ = fn(inputs[0], pool, *inputs[2:], in_place=True, **attrs)
+                WRITTEN.add(name)
+                return out, _STUB
             return fn(*inputs, **attrs)
         except Exception as exc:  # noqa: BLE001 - reported by the runner
             ERRORS.append(str(exc))
@@ -221,8 +268,13 @@ def session_model(model) -> bytes:
         EngineError: a plugin node with another input count than 7 or 9 (tree masks), or a
             graph whose attention is not float32.
     """
+    import onnx
+
+    root: dict[str, str] = {}  # a plugin node's present_kv_cache -> the pool input it updates
     for node in model.graph.node:
         if node.domain == PLUGIN_DOMAIN and node.op_type == OP_TYPE:
+            pool = root.get(node.input[1], node.input[1])  # a chain of nodes on one pool
+            root[node.output[1]] = pool
             if len(node.input) not in (7, 9):
                 raise EngineError(
                     f"node {node.name}: EdgebuildAttention with {len(node.input)} inputs "
@@ -233,6 +285,7 @@ def session_model(model) -> bytes:
             keep = [a for a in node.attribute if a.name in INT_ATTRS + FLOAT_ATTRS]
             del node.attribute[:]
             node.attribute.extend(keep)
+            node.attribute.append(onnx.helper.make_attribute(KV_INPUT_ATTR, pool))
     if not any(o.domain == ORT_DOMAIN for o in model.opset_import):
         model.opset_import.add(domain=ORT_DOMAIN, version=1)
     return model.SerializeToString()

@@ -5,10 +5,16 @@ own graphs (``roles.<role>.onnx`` of the manifest: ``base/model.onnx``, ``base/d
 ``visual/model.onnx``; never rewritten on disk), on the CPU.
 
 * Inputs are the bound views (zero-copy numpy views of the CPU buffers); every output is
-  copied into its bound view. A KV output (``present_kv_cache_i``) is bound to the pool
-  ``kv_cache_i`` itself, as TensorRT aliases it, so the copy is the pool's in-place update.
+  copied into its bound view, but for the KV outputs: ``present_kv_cache_i`` is bound to the
+  pool ``kv_cache_i`` itself, as TensorRT aliases it, and the plugin node writes its K/V rows
+  straight into that pool (:func:`~edgebuild.runtime.ort_attention.bound_pools`; the whole
+  pool never goes back through onnxruntime). A node that did not (no such binding) has its
+  full ``present_kv_cache`` output copied into the pool instead.
 * The ``EdgebuildAttention`` plugin node runs the plugin's host code
   (:mod:`edgebuild.runtime.ort_attention`).
+* FP4 ``DequantizeLinear`` chains (NVFP4 weights), which onnxruntime cannot execute, are
+  folded into their float32 weights in the loaded copy of the graph
+  (:mod:`edgebuild.runtime.ort_dequant`).
 * ``profile`` and ``graph_key`` are recorded (``keys``), not used: onnxruntime has no
   optimization profiles or CUDA graphs; the shapes are checked against the profile anyway, as
   TensorRT's ``set_input_shape`` would.
@@ -76,6 +82,7 @@ class OrtRunner:
         import onnx
 
         from edgebuild.runtime.ort_attention import register_attention_op, session_model
+        from edgebuild.runtime.ort_dequant import fold_fp4_dequantize
 
         ort = load_onnxruntime()
         self.path, self.io, self.role, self.profiles = Path(onnx_path), io, io.role, profiles
@@ -86,6 +93,7 @@ class OrtRunner:
         options.log_severity_level = 3
         try:
             model = onnx.load(str(self.path))
+            self.folded = fold_fp4_dequantize(model)  # in memory (ort_dequant)
             self.session = ort.InferenceSession(
                 session_model(model), options, providers=["CPUExecutionProvider"]
             )
@@ -98,6 +106,10 @@ class OrtRunner:
         self.inputs = [t.name for t in io.inputs]
         self.outputs = [t.name for t in io.outputs]
         self.keys: list[tuple[int, tuple | None]] = []
+        # present_kv_cache_i -> kv_cache_i: TensorRT aliases them (the pool, updated in place)
+        self.aliases = {o: "kv_cache_" + o.removeprefix("present_kv_cache_")
+                        for o in self.outputs if o.startswith("present_kv_cache_")}  # fmt: skip
+        self.in_place = 0  # KV outputs written in place (not copied back) so far
 
     @torch.no_grad()
     def execute(
@@ -119,12 +131,14 @@ class OrtRunner:
         shapes = {n: tuple(bindings[n].shape) for n in self.inputs}
         if not prof.admits(shapes):
             raise EngineError(f"{self.path}: input shapes {shapes} are outside profile {prof.name}")
-        from edgebuild.runtime.ort_attention import take_errors
+        from edgebuild.runtime.ort_attention import bound_pools, take_errors
 
         take_errors()
         feed = {n: bindings[n].numpy() for n in self.inputs}
+        pools = {i: feed[i] for i in self.aliases.values()}
         try:
-            outs = self.session.run(self.outputs, feed)
+            with bound_pools(pools) as written:
+                outs = self.session.run(self.outputs, feed)
         except Exception as exc:
             raise EngineError(
                 f"{self.path}: onnxruntime failed on the {self.role} graph: {exc}"
@@ -136,6 +150,9 @@ class OrtRunner:
                 f"{refused[0]}"
             )
         for name, value in zip(self.outputs, outs, strict=True):
+            if self.aliases.get(name) in written:
+                self.in_place += 1
+                continue  # the plugin node wrote this pool in place (ort_attention)
             dst = bindings[name]
             src = torch.from_numpy(value)
             if tuple(src.shape) != tuple(dst.shape):
@@ -144,6 +161,31 @@ class OrtRunner:
                     f"buffer {tuple(dst.shape)}"
                 )
             dst.copy_(src)
+
+
+def _check_visual_graph(manifest: dict, config, bundle: Path) -> bool:
+    """True when the target is a VLM: its ``visual`` graph (``roles.visual.onnx``, no engine
+    needed here) and the base graph's image inputs, as the TensorRT backend checks engines.
+
+    Raises:
+        ConfigError: a VLM target whose bundle has no visual graph or whose base graph has no
+            image inputs.
+    """
+    from edgebuild.errors import ConfigError
+    from edgebuild.runtime.trt.runtime import _check_vision
+
+    if config.vision_config is None:
+        return False
+    roles = manifest.get("roles") or {}
+    visual = roles.get("visual") or {}
+    if not visual.get("onnx"):
+        raise ConfigError(
+            f"{bundle}: the target is a vision-language model but the bundle has no visual "
+            "graph (manifest roles.visual.onnx); rebuild it with `edgebuild build --onnx-only "
+            "--dtype float32`, or use --backend torch"
+        )
+    as_engines = {**roles, "visual": {**visual, "engine": visual["onnx"]}}
+    return _check_vision({**manifest, "roles": as_engines}, config, bundle)
 
 
 def open_ort_runtime(resolved, spec, threads: int = 0, source=None):
@@ -159,7 +201,7 @@ def open_ort_runtime(resolved, spec, threads: int = 0, source=None):
     from edgebuild.checkpoint.config import ModelConfig
     from edgebuild.checkpoint.source import WeightSource
     from edgebuild.errors import ConfigError
-    from edgebuild.runtime.trt.runtime import _check_spec, _check_vision, assemble_runtime
+    from edgebuild.runtime.trt.runtime import _check_spec, assemble_runtime
     from edgebuild.runtime.trt_plan import EngineLimits, role_io, role_profiles
 
     if resolved.bundle is None:
@@ -169,7 +211,7 @@ def open_ort_runtime(resolved, spec, threads: int = 0, source=None):
     bundle, manifest = Path(resolved.bundle), resolved.manifest
     source = source if source is not None else WeightSource(resolved.target)
     config = ModelConfig.from_dict(source.config, str(source.config_path))
-    with_visual = _check_vision(manifest, config, bundle)
+    with_visual = _check_visual_graph(manifest, config, bundle)
     with_draft = _check_spec(manifest, spec, EngineLimits.from_manifest(manifest), bundle)
     roles = ["base", *(["draft"] if with_draft else []), *(["visual"] if with_visual else [])]
     graphs = {r: bundle / (manifest["roles"][r].get("onnx") or f"{r}/model.onnx") for r in roles}
