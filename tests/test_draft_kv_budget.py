@@ -185,3 +185,22 @@ def test_the_serve_flag_sizes_the_drafts_cache_and_bad_values_name_it(pair, monk
     with pytest.raises(ConfigError, match="onnxruntime backend's draft pool is fixed by the"):
         cfg.load_state(config, ort)
     assert not loaded  # refused before loading
+
+
+@pytest.mark.parametrize(("rows", "draft_rows"), [(200, None), (512, 200), (64, 24)])
+def test_the_start_up_profile_fits_small_pools_instead_of_failing(pair, rows, draft_rows):
+    """Confidence scheduling profiles the step costs at start-up with ``--max-batch-size``
+    sequences: with a small pool (200 rows = 7 pages of 32 for 8 sequences; a 200-row draft
+    pool) it once asked for more pages than exist and the server exited 2. The profile's
+    shape now fits both pools in whole pages (checked against the allocators' sizes), and
+    the profile runs and leaves every page free."""
+    target, draft = pair
+    opts = RuntimeOptions(max_kv_rows=rows, max_input_len=16, max_draft_kv_rows=draft_rows)
+    llm = LLM(target, _spec(draft), opts)
+    t, d = llm.target.allocator, llm.draft.allocator
+    batch, ctx = llm._profile_shape(8)
+    assert batch >= 1 and ctx >= 8
+    assert batch * t.pages_for(ctx + llm.decoder.n + 2) <= t.num_pages
+    assert batch * d.pages_for(ctx + 2 * llm.draft.block_size) <= d.num_pages
+    assert llm.enable_confidence_scheduling(8, repeats=1) is not None
+    assert t.free_pages == t.num_pages and d.free_pages == d.num_pages

@@ -225,14 +225,8 @@ class LLM:
         if self.draft is None or not hasattr(self.decoder, "scheduler"):
             raise ConfigError("confidence scheduling needs a speculative draft")
         n = self.decoder.n
-        rows = self.target.allocator.num_pages * self.target.allocator.page_size
-        drows = self.draft.allocator.num_pages * self.draft.allocator.page_size
         limits = getattr(self.target, "limits", None)  # TensorRT: the engines' batch
-        max_batch = min(max_batch, getattr(limits, "max_batch", max_batch))
-        batch = max(
-            1, min(max_batch, rows // (n + 2 + 16), drows // (2 * self.draft.block_size + 16))
-        )
-        ctx = max(8, min(128, rows // batch - n - 2, drows // batch - 2 * self.draft.block_size))
+        batch, ctx = self._profile_shape(min(max_batch, getattr(limits, "max_batch", max_batch)))
         taps = tuple(self.draft.target_layer_ids)
         seqs, dseqs = [], []
         params = SamplingParams(max_tokens=n + 2)
@@ -265,6 +259,24 @@ class LLM:
                 self.draft.free(d)
         self.decoder.scheduler = ConfidenceScheduler(costs, n)
         return self.decoder.scheduler
+
+    def _profile_shape(self, max_batch: int) -> tuple[int, int]:
+        """(sequences, context rows) of the start-up step-cost profile that both KV pools hold
+        in whole pages: the most sequences (up to ``max_batch``), then the longest context of
+        128, 64, 32, 16 or 8 rows. Each sequence holds its context plus a verify of n + 1
+        drafts in the target's pool, and its context plus two blocks in the draft's (or one
+        ring for a sliding-window draft). Never more than the pools hold, so a small
+        ``--max-kv-cache-capacity`` or ``--max-draft-kv-cache-capacity`` cannot fail the
+        start-up; at worst one sequence of 8 rows is profiled."""
+        t, d = self.target.allocator, self.draft.allocator
+        ring, n, block = getattr(self.draft, "ring", None), self.decoder.n, self.draft.block_size
+        for batch in range(max(1, max_batch), 0, -1):
+            for ctx in (128, 64, 32, 16, 8):
+                d_pages = ring.pages if ring else d.pages_for(ctx + 2 * block)
+                t_pages = t.pages_for(ctx + n + 2)
+                if batch * t_pages <= t.num_pages and batch * d_pages <= d.num_pages:
+                    return batch, ctx
+        return 1, 8  # the pools cannot hold even that: the profile's own error says so
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
