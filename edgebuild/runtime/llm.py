@@ -218,7 +218,11 @@ class LLM:
         Raises:
             ConfigError: no draft is loaded.
         """
-        from edgebuild.runtime.spec_schedule import ConfidenceScheduler, profile_step_costs
+        from edgebuild.runtime.spec_schedule import (
+            ConfidenceScheduler,
+            profile_step_costs,
+            reference_step_costs,
+        )
 
         self._schedule_pending = False
 
@@ -263,7 +267,8 @@ class LLM:
                 self.target.free(s)
             for d in dseqs:
                 self.draft.free(d)
-        self.decoder.scheduler = ConfidenceScheduler(costs, n)
+        ref = reference_step_costs(self.backend, self.options.dtype, self.options.quant)
+        self.decoder.scheduler = ConfidenceScheduler(costs, n, reference=ref)
         return self.decoder.scheduler
 
     # ------------------------------------------------------------------ prompts
