@@ -360,3 +360,22 @@ def test_a_pinned_request_without_reference_costs_equals_fixed_lengths(tiny, tmp
     )
     assert sum(never[0].metrics.proposed_at) == 0
     assert [s.output_ids for s in never] != [s.output_ids for s in fixed]
+
+
+def test_a_request_asking_for_logprobs_is_pinned_too(tiny, tmp_path):  # noqa: F811
+    """Greedy, but its logprobs' last bits follow the verify width in fp32: under costs on
+    which the batch never drafts it still verifies what the reference says, and its
+    logprobs equal a run alone under other costs bit for bit."""
+    target_dir, model = tiny
+    draft_dir = make_random_draft(tmp_path / "draft", target_dir, block_size=7, num_layers=2)
+    draft = load_draft(draft_dir, target_dir, 7, top_k=8)
+    ref = batch1_costs(10.0, 0.5, 2.0)
+    prompts = prompts_of([8, 5])
+    lp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    dear = rows_only_costs(0.05, 0.0, 0.01)
+    both = run_scheduled(model, draft, prompts, [lp, greedy], dear, ref)
+    alone = run_scheduled(model, draft, prompts[:1], [lp], varied_costs(), ref)
+    assert sum(both[0].metrics.proposed_at) > 0 and sum(both[1].metrics.proposed_at) == 0
+    got = [(e.token_id, e.logprob) for e in both[0].logprobs]
+    assert got == [(e.token_id, e.logprob) for e in alone[0].logprobs]

@@ -609,9 +609,12 @@ class DSparkDecoder(TargetOnlyDecoder):
 
 
 def _pinned(st: RequestState) -> bool:
-    """A sampled request with a seed: its verify lengths must not depend on wall-clock costs
-    or on other requests (:mod:`edgebuild.runtime.spec_schedule`, "pinned")."""
-    return not st.params.greedy and st.params.seed is not None
+    """A sampled request with a seed, or one that asks for logprobs: its verify lengths must
+    not depend on wall-clock costs or on other requests (:mod:`edgebuild.runtime.spec_schedule`,
+    "pinned"). A seeded sample follows its lengths; a logprob's last bits follow the width of
+    the pass that computed it wherever the kernels are not row-invariant (fp32)."""
+    p = st.params
+    return (not p.greedy and p.seed is not None) or p.logprobs is not None
 
 
 def _report_prefilled(waiting: list[RequestState], on_prefilled) -> None:

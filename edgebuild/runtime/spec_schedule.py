@@ -28,8 +28,10 @@ never on this step's target output, so acceptance stays the exact rule of
 
 **Seeded sampled requests are pinned.** Greedy output is the same for any lengths, but a
 sampled request's random draws follow its lengths, so lengths chosen from wall-clock costs
-(or from other requests' history) would make a seeded request's text change from run to run.
-A pinned request (sampled, with a seed) therefore gets its own scheduler over the
+(or from other requests' history) would make a seeded request's text change from run to run;
+and where the kernels are not row-invariant (fp32) a logprob's last bits follow the width of
+the verify pass. A pinned request (sampled with a seed, or asking for logprobs) therefore
+gets its own scheduler over the
 *reference* costs of this backend, dtype and quant mode (:func:`reference_step_costs`, a
 table that ``bench/step_costs.py`` measured and wrote into ``edgebuild/data/step_costs.json``),
 which never observes a clock and learns only from that request's own steps: its lengths are a

@@ -103,9 +103,10 @@ class SpeculativeConfig:
             :mod:`edgebuild.runtime.spec_schedule`): per step and request, verify only the
             drafts that pay for themselves under the current load and this backend's
             measured step costs (at batch 1 too: no draft at all when drafting loses); a
-            seeded sampled request is scheduled alone on the backend's reference costs, so
-            its output is reproducible. The static cutoff, when set, still bounds each
-            proposal first. Default true; false forces fixed lengths (every step verifies n).
+            seeded sampled request (or one asking for logprobs) is scheduled alone on the
+            backend's reference costs, so its output is reproducible. The static cutoff,
+            when set, still bounds each proposal first. Default true; false forces fixed
+            lengths (every step verifies n).
         draft_top_k_given: `draft_top_k` was set by the user (not defaulted): a backend
             that cannot honour it must refuse it.
     """
