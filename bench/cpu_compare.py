@@ -4,9 +4,11 @@ SmolLM2-135M-Instruct, the held-out chat prompts of ``tools/train_dspark/data/ev
 (never used to train the draft), greedy, batch 1, every engine generating exactly
 ``--max-tokens`` tokens (EOS ignored, so the token counts are equal). Engines:
 
-* ``edgebuild target-only`` and ``edgebuild DSpark`` (the shipped draft, 7 speculative tokens)
-  at each ``--dtypes`` (float32, bfloat16) and ``--threads`` (1, 2); ``--quant int8`` adds the
-  weight-only int8 opt-in;
+* ``edgebuild target-only`` and ``edgebuild DSpark`` (the shipped draft, 7 speculative tokens,
+  confidence scheduling as by default, profiled at each thread count) at each ``--dtypes``
+  (float32, bfloat16) and ``--threads`` (1, 2); ``--quant int8 int4`` adds the weight-only
+  opt-ins (bf16 compute); ``--fixed`` adds DSpark with fixed lengths
+  (``"confidence_scheduling": false``); ``--only-edgebuild`` skips the other engines;
 * ``edgebuild onnxruntime`` target-only and DSpark: the example pair's bundle (built here on
   first use, ``--onnx-only --dtype float32``, into ``--ort-bundle``) on the onnxruntime
   backend (the bundle's own graphs, ``runtime/ort_engine.py``) at each ``--threads``;
@@ -82,10 +84,12 @@ def shared_llm(target, draft, dtype, quant):
 
 
 class Edgebuild(Engine):
-    def __init__(self, target, draft, dtype, threads, n, quant=None):
+    def __init__(self, target, draft, dtype, threads, n, quant=None, scheduling=True):
         q = f" {quant}" if quant else ""
-        self.name = f"edgebuild {'DSpark' if draft else 'target-only'} {dtype}{q} t{threads}"
+        mode = ("DSpark" if scheduling else "DSpark fixed") if draft else "target-only"
+        self.name = f"edgebuild {mode} {dtype}{q} t{threads}"
         self.threads, self.dtype, self.quant, self.dspark = threads, dtype, quant, draft is not None
+        self.scheduling = scheduling
         llm = shared_llm(target, DRAFT_DEFAULT if draft is None else draft, dtype, quant)
         self.taps = tuple(llm.draft.target_layer_ids)  # the layers DSpark taps (step costs)
         self.llm = llm.without_draft() if draft is None else llm  # same target weights
@@ -94,6 +98,12 @@ class Edgebuild(Engine):
         from edgebuild.runtime.sampling import SamplingParams
 
         torch.set_num_threads(self.threads)
+        if self.dspark and self.scheduling:  # profiled at this thread count (the LLM is shared)
+            if getattr(self, "scheduler", None) is None:
+                self.scheduler = self.llm.enable_confidence_scheduling(1)
+            self.llm.decoder.scheduler = self.scheduler
+        elif self.dspark:
+            self.llm._schedule_pending, self.llm.decoder.scheduler = False, None
         st = self.llm.generate_ids([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0]
         m = st.metrics
         return st.output_ids, m.decode_s, (m.tau if self.dspark else None)
@@ -273,19 +283,19 @@ def make_engines(args, skipped: dict) -> list[Engine]:
     def wanted(*names: str) -> bool:  # --only: engine-name substrings to keep
         return not args.only or any(k in n for k in args.only for n in names)
 
+    modes = [(None, True), (args.draft, True)] + ([(args.draft, False)] if args.fixed else [])
     for threads in args.threads:
-        for dtype in args.dtypes:
-            for draft in (None, args.draft):
-                engines.append(Edgebuild(args.target, draft, dtype, threads, args.max_tokens))
         if wanted("edgebuild onnxruntime"):
             bundle = build_ort_bundle(args.target, args.draft, args.ort_bundle)
             engines += [OrtBackend(bundle, d, threads, ort_loaded) for d in (False, True)]
-        if args.quant:
-            for draft in (None, args.draft):
+        for dtype, quant in [(d, None) for d in args.dtypes] + [
+            ("bfloat16", q) for q in args.quant
+        ]:
+            for draft, sched in modes:
                 engines.append(
-                    Edgebuild(args.target, draft, "bfloat16", threads, args.max_tokens, args.quant)
+                    Edgebuild(args.target, draft, dtype, threads, args.max_tokens, quant, sched)
                 )
-        if not wanted("transformers", "onnxruntime-genai", "llama.cpp"):
+        if args.only_edgebuild or not wanted("transformers", "onnxruntime-genai", "llama.cpp"):
             continue
         engines.append(Transformers(args.target, threads))
         if importlib.util.find_spec("onnxruntime_genai") is None:
@@ -331,7 +341,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    ap.add_argument("--quant", choices=["int8"], default=None)
+    ap.add_argument(
+        "--quant",
+        nargs="*",
+        choices=["int8", "int4"],
+        default=[],
+        help="weight-only quant modes (bf16 compute), each beside the dtypes",
+    )
+    ap.add_argument(
+        "--fixed",
+        action="store_true",
+        help='also DSpark with "confidence_scheduling": false (fixed 7 drafts)',
+    )
+    ap.add_argument("--only-edgebuild", action="store_true",
+                    help="skip transformers, onnxruntime-genai and llama.cpp")  # fmt: skip
     ap.add_argument("--step-repeats", type=int, default=40)
     ap.add_argument("--ortgenai-dir", type=Path, default=ROOT / ".cache" / "ortgenai")
     ap.add_argument("--ort-bundle", type=Path, default=ROOT / ".cache" / "ort-bundle")
@@ -370,7 +393,7 @@ def main() -> None:
         results[e.name] = row
     for e in engines:  # exactness and speedup of each DSpark row against its target-only twin
         if getattr(e, "dspark", False):
-            twin = e.name.replace("DSpark", "target-only")
+            twin = e.name.replace("DSpark fixed", "target-only").replace("DSpark", "target-only")
             same = [
                 a == b for a, b in zip(per[e.name]["outputs"], per[twin]["outputs"], strict=True)
             ]

@@ -29,8 +29,9 @@ EVAL_PROMPTS = ROOT / "tools" / "train_dspark" / "data" / "eval_prompts.jsonl"
 
 def _spec(n: int = 7) -> SpeculativeConfig:
     return SpeculativeConfig.parse(
-        {"method": "dspark", "model": str(DRAFT), "num_speculative_tokens": n}
-    )
+        {"method": "dspark", "model": str(DRAFT), "num_speculative_tokens": n,
+         "confidence_scheduling": False}  # every step drafts: the pair's acceptance
+    )  # fmt: skip
 
 
 def _held_out(k: int) -> list[str]:

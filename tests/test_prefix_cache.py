@@ -271,7 +271,12 @@ def test_a_preempted_request_resumes_from_the_cache_and_stays_exact(tmp_path, sp
     spec = None
     if speculative:
         draft = make_random_draft(tmp_path / "draft", path, block_size=5)
-        spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 4}
+        spec = {
+            "method": "dspark",
+            "model": str(draft),
+            "num_speculative_tokens": 4,
+            "confidence_scheduling": False,
+        }  # fixed lengths: cold and warm step alike
     llm = LLM(path, speculative=spec, options=RuntimeOptions(dtype=torch.bfloat16, page_size=8))
     cold = LLM(path, speculative=spec, options=RuntimeOptions(dtype=torch.bfloat16, page_size=8))
     cold.set_prefill(COLD)

@@ -51,7 +51,8 @@ def draft_dir(smollm2_dir, tmp_path_factory):
 
 
 def load_dspark(smollm2_dir, draft_dir):
-    spec = {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 7}
+    spec = {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 7,
+            "confidence_scheduling": False}  # fmt: skip
     return LLM(smollm2_dir, speculative=spec)
 
 

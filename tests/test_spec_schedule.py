@@ -204,3 +204,178 @@ def test_server_exports_the_schedule_in_metrics(smollm2_dir):
         next(ln for ln in text.splitlines() if ln.startswith("edgellm_spec_decode_scheduled_steps_total")).split()[-1]
     )  # fmt: skip
     assert scheduled >= 1
+
+
+# ---------------------------------------------------------------------- batch 1 (the default)
+def batch1_costs(decode_ms: float, per_row_ms: float, draft_ms: float) -> StepCosts:
+    """Batch-1 costs: verify of w rows = decode + per_row * (w - 1), one draft pass."""
+    widths = (1, 2, 3, 5, 8)
+    verify = [[(decode_ms + per_row_ms * (w - 1)) * 1e-3 for w in widths]]
+    return StepCosts((1,), widths, verify, [0.0], [[0.0] + [draft_ms * 1e-3] * 4])
+
+
+BATCH1_CASES = [
+    # k=0: 1/10 = .100; k=1: 1.8/17 = .106; k=2: 2.4/20 = .120; k=3: 2.8/23 = .1217;
+    # k=4: 3.0/26 = .1154 -> 3
+    (10.0, 3.0, 4.0, 3),
+    # every verify row costs a decode: k=1: 1.8/24 = .075 < .100 -> no draft
+    (10.0, 10.0, 4.0, 0),
+    # rows nearly free, draft dear: k=1 1.8/20.1 = .0896, k=4: 3.0/20.4 = .147,
+    # k=5: 3.1/20.5 = .1512, k=6: 3.15/20.6 = .1529, k=7: 3.175/20.7 = .1534 -> 7
+    (10.0, 0.1, 10.0, 7),
+    # the draft pass alone costs a decode: k=2: 2.4/(10+12) = .109; k=3: 2.8/23 = .1217;
+    # k=4: 3.0/(10+14) = .125; k=5: 3.1/25 = .124 -> 4
+    (10.0, 1.0, 10.0, 4),
+]
+PROFILE = [0.8, 0.6, 0.4, 0.2, 0.1, 0.05, 0.025]
+
+
+@pytest.mark.parametrize(("decode_ms", "per_row_ms", "draft_ms", "want"), BATCH1_CASES)
+def test_batch1_choice_matches_hand_computed_rate(decode_ms, per_row_ms, draft_ms, want):
+    """At batch 1 (no margin) the plan verifies the k of the highest (1 + sum_{i<k} P_i) /
+    (draft + verify(k + 1)) seconds, k = 0 meaning a plain decode step without a draft."""
+    sch = ConfidenceScheduler(batch1_costs(decode_ms, per_row_ms, draft_ms), 7)
+    sch.mean_profile = list(PROFILE)
+    assert sch.plan(["r"], [7]).lengths == [want]
+    assert sch.stats.skipped_drafts == (1 if want == 0 else 0)
+
+
+@pytest.mark.parametrize(("decode_ms", "per_row_ms", "draft_ms", "want"), BATCH1_CASES)
+def test_a_pinned_request_chooses_by_the_reference_costs_not_the_measured_ones(
+    decode_ms, per_row_ms, draft_ms, want
+):
+    """The same hand-computed choice from the reference table, whatever the measured costs
+    say (here: every row free, so the batch's own plan would verify all 7); after the draft
+    pass, the confidences this proposal reports (profile [.8 .6 .4 ...] again) keep it.
+    (Were the draft pass run anyway in the no-draft case, its 4 ms are paid: k=1 1.8/24 =
+    .075 beats k=0 1/14 = .071.)"""
+    ref = batch1_costs(decode_ms, per_row_ms, draft_ms)
+    sch = ConfidenceScheduler(batch1_costs(10.0, 0.0, 0.0), 7, reference=ref)
+    sch.mean_profile = list(PROFILE)
+    assert sch.plan(["free"], [7]).lengths == [7]
+    sch.pinned["p"] = ConfidenceScheduler(ref, 7)
+    sch.pinned["p"].mean_profile = list(PROFILE)
+    assert sch.plan_pinned("p", 7) == want
+    conf = torch.tensor([PROFILE[0]] + [PROFILE[i] / PROFILE[i - 1] for i in range(1, 7)])
+    assert sch.choose_pinned("p", conf) == (want or 1)
+    sch.forget("p")
+    assert "p" not in sch.pinned
+
+
+def test_without_reference_costs_a_pinned_request_verifies_every_draft():
+    sch = ConfidenceScheduler(batch1_costs(10.0, 10.0, 4.0), 7)  # drafting loses
+    assert sch.plan(["free"], [7]).lengths == [0]
+    assert sch.plan_pinned("p", 7) == 7 and sch.plan_pinned("p", 3) == 3
+    assert sch.choose_pinned("p", torch.full((5,), 0.01)) == 5
+
+
+def test_the_shipped_reference_table_covers_the_cpu_modes_and_bad_entries_are_named(tmp_path):
+    for dtype, quant in [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int4")]:
+        ref = spec_schedule.reference_step_costs("torch", dtype, quant)
+        assert ref is not None and ref.widths[0] == 1
+        assert ref.verify[0][0] == pytest.approx(1.0)  # in decode passes
+        assert ref.verify[0] == sorted(ref.verify[0]) and ref.draft[0][0] == 0.0
+    assert spec_schedule.reference_step_costs("tensorrt", torch.float16, None) is None
+    bad = tmp_path / "costs.json"
+    bad.write_text('{"entries": {"torch/float32": {"widths": [1, 2], "verify": [1.0]}}}')
+    with pytest.raises(ValueError, match="torch/float32"):
+        spec_schedule.reference_step_costs("torch", torch.float32, None, path=bad)
+
+
+def test_speculative_config_schedules_by_default_and_false_forces_fixed_lengths(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    base = {"method": "dspark", "model": str(tmp_path), "num_speculative_tokens": 3}
+    assert SpeculativeConfig.parse(base).confidence_scheduling is True
+    off = SpeculativeConfig.parse({**base, "confidence_scheduling": False})
+    assert off.confidence_scheduling is False
+
+
+# ---------------------------------------------------------------------- seeded reproducibility
+SEEDED = SamplingParams(max_tokens=40, temperature=0.9, seed=11, ignore_eos=True)
+
+
+def run_scheduled(model, draft, prompts, params, costs, reference=None):
+    """DSpark over `prompts` (params[i] each): scheduled on fixed synthetic `costs` (and
+    `reference`), or with fixed lengths when `costs` is None."""
+    target = TorchTarget(model, max_kv_rows=4096, page_size=8)
+    sch = None
+    if costs is not None:
+        sch = ConfidenceScheduler(costs, 7, reference=reference)
+        sch.costs.observe = lambda *a: None  # no wall-clock noise in the test
+    dec = DSparkDecoder(target, draft, 7, scheduler=sch)
+    states = [
+        RequestState.create(f"r{i}", p, sp)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    run_to_completion(dec, states)
+    assert target.allocator.free_pages == target.allocator.num_pages
+    return states
+
+
+def test_a_seeded_sampled_request_is_reproducible_whatever_the_costs_and_the_batch(
+    tiny,  # noqa: F811
+    tmp_path,
+):
+    """Measured costs that make the batch verify everything, or nothing, and greedy
+    companions that come and go: the seeded request's text is the same as alone; its own
+    drafts are still verified (by the reference costs), and the greedy companions equal
+    target-only."""
+    target_dir, model = tiny
+    draft_dir = make_random_draft(tmp_path / "draft", target_dir, block_size=7, num_layers=2)
+    draft = load_draft(draft_dir, target_dir, 7, top_k=8)
+    ref = batch1_costs(10.0, 0.5, 2.0)  # drafting a few pays for a confident proposal
+    prompts = prompts_of([7, 12, 3, 9])
+    greedy = SamplingParams(max_tokens=25, ignore_eos=True)
+    alone = run_scheduled(model, draft, prompts[:1], [SEEDED], varied_costs(), ref)
+    cheap = rows_only_costs(1e-6, 0.05, 1e-6)  # verifying everything is free
+    dear = rows_only_costs(0.05, 0.0, 0.01)  # every row costs a decode: never draft
+    want = [s.output_ids for s in target_only(model, prompts[1:], greedy)]
+    for costs in (cheap, dear):
+        states = run_scheduled(model, draft, prompts, [SEEDED] + [greedy] * 3, costs, ref)
+        assert states[0].output_ids == alone[0].output_ids
+        assert [s.output_ids for s in states[1:]] == want
+        assert sum(states[0].metrics.proposed_at) > 0  # the pinned request drafted
+    assert sum(states[1].metrics.proposed_at) == 0  # under `dear` the greedy ones never did
+    # the reference steered it: without one the same request verifies every draft
+    every = run_scheduled(model, draft, prompts[:1], [SEEDED], varied_costs(), None)
+    assert sum(every[0].metrics.proposed_at) > sum(alone[0].metrics.proposed_at)
+
+
+def test_a_pinned_request_without_reference_costs_equals_fixed_lengths(tiny, tmp_path):  # noqa: F811
+    """No reference table (TensorRT, onnxruntime): a seeded request drafts and verifies n
+    every step, token for token the output of `"confidence_scheduling": false`."""
+    target_dir, model = tiny
+    draft_dir = make_random_draft(tmp_path / "draft", target_dir, block_size=7, num_layers=2)
+    draft = load_draft(draft_dir, target_dir, 7, top_k=8)
+    prompts = prompts_of([6, 10])
+    params = [
+        SamplingParams(max_tokens=30, temperature=t, seed=5 + i) for i, t in enumerate((3, 9))
+    ]
+    fixed = run_scheduled(model, draft, prompts, params, None)
+    sched = run_scheduled(model, draft, prompts, params, rows_only_costs(0.05, 0.0, 0.01))
+    assert [s.output_ids for s in sched] == [s.output_ids for s in fixed]
+    # the test can tell: other lengths (a reference on which drafting loses) give other text
+    never = run_scheduled(
+        model, draft, prompts, params, rows_only_costs(0.05, 0.0, 0.01), batch1_costs(1, 1, 1)
+    )
+    assert sum(never[0].metrics.proposed_at) == 0
+    assert [s.output_ids for s in never] != [s.output_ids for s in fixed]
+
+
+def test_a_request_asking_for_logprobs_is_pinned_too(tiny, tmp_path):  # noqa: F811
+    """Greedy, but its logprobs' last bits follow the verify width in fp32: under costs on
+    which the batch never drafts it still verifies what the reference says, and its
+    logprobs equal a run alone under other costs bit for bit."""
+    target_dir, model = tiny
+    draft_dir = make_random_draft(tmp_path / "draft", target_dir, block_size=7, num_layers=2)
+    draft = load_draft(draft_dir, target_dir, 7, top_k=8)
+    ref = batch1_costs(10.0, 0.5, 2.0)
+    prompts = prompts_of([8, 5])
+    lp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    dear = rows_only_costs(0.05, 0.0, 0.01)
+    both = run_scheduled(model, draft, prompts, [lp, greedy], dear, ref)
+    alone = run_scheduled(model, draft, prompts[:1], [lp], varied_costs(), ref)
+    assert sum(both[0].metrics.proposed_at) > 0 and sum(both[1].metrics.proposed_at) == 0
+    got = [(e.token_id, e.logprob) for e in both[0].logprobs]
+    assert got == [(e.token_id, e.logprob) for e in alone[0].logprobs]

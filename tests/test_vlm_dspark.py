@@ -61,7 +61,12 @@ def test_random_draft_outputs_with_images_equal_target_only(setup, n):
     target, draft, base = setup
     spec = LLM(
         target,
-        speculative={"method": "dspark", "model": str(draft), "num_speculative_tokens": n},
+        speculative={
+            "method": "dspark",
+            "model": str(draft),
+            "num_speculative_tokens": n,
+            "confidence_scheduling": False,
+        },  # every step verifies n image-aware rows
         options=OPTIONS,
     )
     reqs = requests(base)

@@ -101,6 +101,7 @@ class PackedLinear:
         self.quant = quant
         self.single_row = None
         self.pad_single = False
+        self._scales_as: dict[torch.dtype, torch.Tensor] = {}  # the scales in each input dtype
         if quant == "int8":
             scale = fused.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
             q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
@@ -145,13 +146,22 @@ class PackedLinear:
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.quant == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales.to(x2.dtype))
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self._scales(x2.dtype))
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.quant == "int4":
-            sz = self.scales if self.scales.dtype == x2.dtype else self.scales.to(x2.dtype)
+            sz = self._scales(x2.dtype)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, INT4_GROUP_SIZE, sz)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         return torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")
+
+    def _scales(self, dtype: torch.dtype) -> torch.Tensor:
+        """The fp32 scales (int8 [out]; int4 scale_and_zero [in / group, out, 2]) in
+        ``dtype``, converted once: a bf16 decode step converted every layer's scales on
+        every call (15% of an int4 step, the lm_head's 1.8M alone; bench/README.md)."""
+        sz = self._scales_as.get(dtype)
+        if sz is None:
+            sz = self._scales_as[dtype] = self.scales.to(dtype)
+        return sz
 
 
 def quantize_int4(

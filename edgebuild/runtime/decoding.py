@@ -483,46 +483,91 @@ class DSparkDecoder(TargetOnlyDecoder):
     def _scheduled_step(self, live: list[RequestState], prefilling: bool = False) -> None:
         """A step under confidence scheduling (:mod:`edgebuild.runtime.spec_schedule`).
 
-        ``prefilling``: prompts were prefilled in this step (more may wait): the step runs
-        no draft pass, so new requests get their first tokens one draft pass sooner.
+        ``prefilling``: prompts were prefilled in this step (more may wait): the requests
+        that are not pinned verify nothing, so new requests get their first tokens one draft
+        pass sooner. A pinned request (sampled with a seed) gets the lengths it chooses
+        alone on the reference costs, whatever the batch, the load or the prefill.
         """
         sch = self.scheduler
         t_step = time.perf_counter()
         budgets = [max(0, min(self.n, s.remaining - 1)) for s in live]
-        if prefilling:
-            budgets = [0] * len(live)
-        plan = sch.plan([s.request_id for s in live], budgets)
+        want = self._planned_lengths(live, budgets, prefilling)
         overdue = self.max_pending is not None and any(
             s.pending_features is not None and len(s.pending_features) >= self.max_pending - 1
             for s in live
         )  # a TensorRT draft takes at most max_input_len context rows in one pass
-        if max(plan.lengths, default=0) == 0 and not overdue:
+        if max(want, default=0) == 0 and not overdue:
             self._last_rows_per_request = 1.0
             self._decode_with_taps(live)
             sch.costs.observe([1] * len(live), 0, time.perf_counter() - t_step)
             return
-        drafted = min(self.n, max(plan.lengths, default=0) + 1)
-        counts = [min(b, drafted) for b in budgets]
+        free_max = max((k for s, k in zip(live, want, strict=True) if not _pinned(s)), default=0)
+        drafted = min(self.n, free_max + 1) if free_max else 0
+        counts = [  # drafts of each: one more than planned, as the choice after may extend
+            (min(b, k + 1) if k else 0) if _pinned(s) else min(b, drafted)
+            for s, b, k in zip(live, budgets, want, strict=True)
+        ]  # a pinned request's by its own plan; the others' by the longest of theirs
         full = self.propose(live, counts)
-        choice = sch.choose(
-            [sch.calibrated(p.confidence) for p in full],
-            [len(p) for p in full],
-            draft_rows=max(counts),
-        )
-        proposals = [p.truncated(k) for p, k in zip(full, choice.lengths, strict=True)]
-        self._last_rows_per_request = 1.0 + sum(choice.lengths) / len(live)
+        lengths = self._chosen_lengths(live, full, max(counts))
+        proposals = [p.truncated(k) for p, k in zip(full, lengths, strict=True)]
+        self._last_rows_per_request = 1.0 + sum(lengths) / len(live)
         _, accepted = self.verify_and_commit(live, proposals)
         sch.costs.observe(
             [1 + len(p) for p in proposals], max(counts), time.perf_counter() - t_step
         )
-        for st, p, k, a in zip(live, full, choice.lengths, accepted, strict=True):
-            sch.record(st.request_id, p.confidence, k, a)
+        for st, p, k, a in zip(live, full, lengths, accepted, strict=True):
+            record = sch.record_pinned if _pinned(st) else sch.record
+            record(st.request_id, p.confidence, k, a)
+
+    def _planned_lengths(
+        self, live: list[RequestState], budgets: list[int], prefilling: bool
+    ) -> list[int]:
+        """Before the draft pass: the drafts each request is planned to verify (0 = none);
+        the batch's plan for the requests that are not pinned, each pinned one's own."""
+        sch = self.scheduler
+        free = [i for i, s in enumerate(live) if not _pinned(s)]
+        want = [
+            0 if i in free else sch.plan_pinned(s.request_id, budgets[i])
+            for i, s in enumerate(live)
+        ]
+        if free:
+            plan = sch.plan(
+                [live[i].request_id for i in free], [0 if prefilling else budgets[i] for i in free]
+            )
+            for i, k in zip(free, plan.lengths, strict=True):
+                want[i] = k
+        return want
+
+    def _chosen_lengths(
+        self, live: list[RequestState], full: list[Proposal], draft_rows: int
+    ) -> list[int]:
+        """After the draft pass: the drafts of each proposal to verify (the batch's choice for
+        the requests that are not pinned, each pinned one's own)."""
+        sch = self.scheduler
+        free = [i for i, s in enumerate(live) if not _pinned(s)]
+        lengths = [
+            0 if i in free else sch.choose_pinned(s.request_id, full[i].confidence)
+            for i, s in enumerate(live)
+        ]
+        if free:
+            choice = sch.choose(
+                [sch.calibrated(full[i].confidence) for i in free],
+                [len(full[i]) for i in free],
+                draft_rows=draft_rows,
+            )
+            for i, k in zip(free, choice.lengths, strict=True):
+                lengths[i] = k
+        return lengths
 
     def _decode_with_taps(self, live: list[RequestState]) -> None:
-        """A plain decode pass (no draft pass this step); its taps join the pending context."""
-        out = self._decode_pass(live, self.taps)
-        for b, st in enumerate(live):
-            _append_pending(st, out.taps[b][:1])
+        """A plain decode pass (no draft pass this step): a verify pass of no drafts, so a
+        sampled request draws its token as in a step where it verifies none while others
+        do (one uniform, inverse CDF); its taps join the pending context."""
+        for st in live:
+            if st.grammar is not None:
+                st.grammar.walk([])  # the mask of the one row
+        empty = [Proposal([], torch.zeros(0, 1), torch.ones(0), None) for _ in live]
+        self.verify_and_commit(live, empty)
 
     def propose(self, live: list[RequestState], counts: list[int] | None = None) -> list[Proposal]:
         """Extend the draft context with pending target features, then draft a block each.
@@ -598,7 +643,7 @@ class DSparkDecoder(TargetOnlyDecoder):
         for b, (st, prop, v) in enumerate(zip(live, proposals, verdicts, strict=True)):
             n, a = len(prop.tokens), v.accepted
             self.target.rollback(st.seq, n - a)  # keep anchor + accepted drafts
-            st.pending_features = out.taps[b][: a + 1]
+            _append_pending(st, out.taps[b][: a + 1])  # after what no draft pass took yet
             st.anchor = v.next_token
             st.metrics.verify_s += dt / len(live)
             st.metrics.record_step(proposed=n, accepted=a)
@@ -614,6 +659,15 @@ def _add_prompt_logprobs(st: RequestState, start: int, logits: torch.Tensor) -> 
         st.prompt_logprobs = [None]  # the first prompt token has no context
     nxt = st.prompt_ids[start + 1 : start + 1 + len(logits)]
     st.prompt_logprobs.extend(token_logprobs(logits, nxt, st.params.prompt_logprobs, ranks=True))
+
+
+def _pinned(st: RequestState) -> bool:
+    """A sampled request with a seed, or one that asks for logprobs: its verify lengths must
+    not depend on wall-clock costs or on other requests (:mod:`edgebuild.runtime.spec_schedule`,
+    "pinned"). A seeded sample follows its lengths; a logprob's last bits follow the width of
+    the pass that computed it wherever the kernels are not row-invariant (fp32)."""
+    p = st.params
+    return (not p.greedy and p.seed is not None) or p.logprobs is not None
 
 
 def _report_prefilled(waiting: list[RequestState], on_prefilled) -> None:

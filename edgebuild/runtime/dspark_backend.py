@@ -244,7 +244,7 @@ class TorchDraft:
         prev = torch.tensor(anchors, dtype=torch.long)
         greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
         temps = torch.tensor([float(p.temperature) for p in params])
-        uniforms = walk_uniforms(params, generators, n_max)
+        uniforms = walk_uniforms(params, generators, num_tokens)
         state = None
         q = torch.zeros(batch, n_max, k_cand)
         ids = torch.zeros(batch, n_max, k_cand, dtype=torch.long)

@@ -218,7 +218,11 @@ class LLM:
         Raises:
             ConfigError: no draft is loaded.
         """
-        from edgebuild.runtime.spec_schedule import ConfidenceScheduler, profile_step_costs
+        from edgebuild.runtime.spec_schedule import (
+            ConfidenceScheduler,
+            profile_step_costs,
+            reference_step_costs,
+        )
 
         self._schedule_pending = False
 
@@ -257,21 +261,27 @@ class LLM:
                 self.target.free(s)
             for d in dseqs:
                 self.draft.free(d)
-        self.decoder.scheduler = ConfidenceScheduler(costs, n)
+        ref = reference_step_costs(self.backend, self.options.dtype, self.options.quant)
+        self.decoder.scheduler = ConfidenceScheduler(costs, n, reference=ref)
         return self.decoder.scheduler
 
     def _profile_shape(self, max_batch: int) -> tuple[int, int]:
         """(sequences, context rows) of the start-up step-cost profile that both KV pools hold
         in whole pages: the most sequences (up to ``max_batch``), then the longest context of
-        128, 64, 32, 16 or 8 rows. Each sequence holds its context plus a verify of n + 1
+        128, 64, 32, 16 or 8 rows (at most the engines' ``max_input_len``). Each sequence holds its context plus a verify of n + 1
         drafts in the target's pool, and its context plus two blocks in the draft's (or one
         ring for a sliding-window draft). Never more than the pools hold, so a small
         ``--max-kv-cache-capacity`` or ``--max-draft-kv-cache-capacity`` cannot fail the
         start-up; at worst one sequence of 8 rows is profiled."""
         t, d = self.target.allocator, self.draft.allocator
         ring, n, block = getattr(self.draft, "ring", None), self.decoder.n, self.draft.block_size
+        widest = min(  # engines (TensorRT, onnxruntime) take at most max_input_len rows a call
+            getattr(getattr(m, "limits", None), "max_input_len", 128)
+            for m in (self.target, self.draft)
+        )
+        sizes = [c for c in (128, 64, 32, 16, 8) if c <= widest] or [max(1, widest)]
         for batch in range(max(1, max_batch), 0, -1):
-            for ctx in (128, 64, 32, 16, 8):
+            for ctx in sizes:
                 d_pages = ring.pages if ring else d.pages_for(ctx + 2 * block)
                 t_pages = t.pages_for(ctx + n + 2)
                 if batch * t_pages <= t.num_pages and batch * d_pages <= d.num_pages:

@@ -131,12 +131,16 @@ def _rescue_rows(row, cand, base, constraints, dead, limit, num_tokens, k) -> to
     return row
 
 
-def walk_uniforms(params: list[SamplingParams], generators: list, n_max: int) -> torch.Tensor:
-    """fp32 [B, n_max] uniforms for the walk: drawn from each sampled request's generator."""
-    u = torch.zeros(len(params), n_max)
-    for b, (p, g) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy and n_max:
-            u[b] = torch.rand(n_max, generator=g)
+def walk_uniforms(
+    params: list[SamplingParams], generators: list, num_tokens: list[int]
+) -> torch.Tensor:
+    """fp32 [B, max(num_tokens)] uniforms for the walk: ``num_tokens[b]`` drawn from each
+    sampled request's own generator (zeros after them), so what a seeded request draws never
+    depends on the drafts the other requests of its batch ask for."""
+    u = torch.zeros(len(params), max(num_tokens, default=0))
+    for b, (p, g, n) in enumerate(zip(params, generators, num_tokens, strict=True)):
+        if not p.greedy and n:
+            u[b, :n] = torch.rand(n, generator=g)
     return u
 
 
@@ -169,7 +173,7 @@ def walk_lattice(
     cand = cand.long()
     greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
     temps = torch.tensor([float(p.temperature) for p in params], dtype=torch.float32)
-    uniforms = walk_uniforms(params, generators, n_max)
+    uniforms = walk_uniforms(params, generators, num_tokens)
     ar = torch.arange(batch)
     prev = torch.zeros(batch, dtype=torch.long)  # slot 0 reads row 0 (the anchor)
     k_width = cand.shape[-1]

@@ -25,14 +25,29 @@ bound. The scheduler instead decides, every step, how many drafts of each reques
 Lossless: the lengths depend only on the draft's own outputs, the cost model and past steps,
 never on this step's target output, so acceptance stays the exact rule of
 :mod:`edgebuild.runtime.rejection` on a (shorter) prefix of the proposal.
+
+**Seeded sampled requests are pinned.** Greedy output is the same for any lengths, but a
+sampled request's random draws follow its lengths, so lengths chosen from wall-clock costs
+(or from other requests' history) would make a seeded request's text change from run to run;
+and where the kernels are not row-invariant (fp32) a logprob's last bits follow the width of
+the verify pass. A pinned request (sampled with a seed, or asking for logprobs) therefore
+gets its own scheduler over the
+*reference* costs of this backend, dtype and quant mode (:func:`reference_step_costs`, a
+table that ``bench/step_costs.py`` measured and wrote into ``edgebuild/data/step_costs.json``),
+which never observes a clock and learns only from that request's own steps: its lengths are a
+function of its seed, prompt and the draft's outputs alone, whatever the load or the batch.
+Where no reference exists (TensorRT, onnxruntime) a pinned request verifies every draft, as
+with ``"confidence_scheduling": false``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -149,6 +164,54 @@ class StepCosts:
         setattr(self, attr, (1 - COST_EMA) * getattr(self, attr) + COST_EMA * ratio)
 
 
+REFERENCE_COSTS_FILE = Path(__file__).resolve().parent.parent / "data" / "step_costs.json"
+
+
+def reference_key(backend: str, dtype: torch.dtype, quant: str | None) -> str:
+    """The key of :data:`REFERENCE_COSTS_FILE` for a backend, compute dtype and quant mode
+    (``"torch/bfloat16"``, ``"torch/bfloat16/int4"``)."""
+    name = str(dtype).removeprefix("torch.")
+    return f"{backend}/{name}" + (f"/{quant}" if quant else "")
+
+
+def reference_step_costs(
+    backend: str, dtype: torch.dtype, quant: str | None, path: Path = REFERENCE_COSTS_FILE
+) -> StepCosts | None:
+    """Batch-1 step costs of this backend, dtype and quant as measured by ``bench/step_costs.py``
+    (in units of one decode pass), or None when the table has no such entry.
+
+    The file holds ``{"entries": {key: {"widths": [1, ...], "verify": [...], "draft": [...]}}}``:
+    ``verify[i]`` the seconds of a verify pass of ``widths[i]`` rows, ``draft[i]`` of a draft
+    pass drafting ``widths[i] - 1`` rows (``draft[0]`` = 0), both divided by the decode pass.
+
+    Raises:
+        ValueError: an entry that is not such a table (named by its key).
+    """
+    entries = json.loads(path.read_text())["entries"] if path.is_file() else {}
+    key = reference_key(backend, dtype, quant)
+    entry = entries.get(key)
+    if entry is None:
+        return None
+    try:
+        widths = tuple(int(w) for w in entry["widths"])
+        return StepCosts(
+            (1,), widths, [list(map(float, entry["verify"]))], [0.0],
+            [list(map(float, entry["draft"]))],
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: entry {key!r} is not a step-cost table ({exc})") from exc
+
+
+def monotone(times: list[float]) -> list[float]:
+    """Timings of ever wider passes made non-decreasing by the suffix minimum: interference
+    from other work only adds time, so a wider pass's time bounds a narrower one's (a 2-row
+    verify that took longer than a 3-row one was disturbed, and the 3-row time is kept)."""
+    out = list(times)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 def profile_step_costs(
     verify_pass: Callable[[list[int]], None],
     draft_pass: Callable[[int, int], None],
@@ -182,8 +245,10 @@ def profile_step_costs(
     t0 = time.perf_counter()
     verify, draft, ragged = [], [], []
     for b in batches:
-        verify.append([best(lambda b=b, w=w: verify_pass([w] * b)) for w in widths])
-        draft.append([0.0] + [best(lambda b=b, w=w: draft_pass(b, w - 1)) for w in widths[1:]])
+        verify.append(monotone([best(lambda b=b, w=w: verify_pass([w] * b)) for w in widths]))
+        draft.append(
+            [0.0] + monotone([best(lambda b=b, w=w: draft_pass(b, w - 1)) for w in widths[1:]])
+        )
         if b > 1 and widths[-1] > 1:
             top = widths[-1]
             rows = [top] + [1] * (b - 1)
@@ -229,11 +294,17 @@ class ConfidenceScheduler:
     Args:
         costs: the step cost model (:func:`profile_step_costs`), corrected online.
         num_speculative_tokens: n, the most drafts one request verifies per step.
+        reference: the clock-free batch-1 costs pinned requests are scheduled on
+            (:func:`reference_step_costs`; module docstring); None: they verify every draft.
     """
 
-    def __init__(self, costs: StepCosts, num_speculative_tokens: int):
+    def __init__(
+        self, costs: StepCosts, num_speculative_tokens: int, reference: StepCosts | None = None
+    ):
         self.costs = costs
         self.n = num_speculative_tokens
+        self.reference = reference
+        self.pinned: dict[str, ConfidenceScheduler] = {}  # request id -> its own scheduler
         # calibration f_k = (realised_k + prior) / (predicted_k + prior), decayed sums
         self._real = [0.0] * self.n
         self._pred = [0.0] * self.n
@@ -364,5 +435,42 @@ class ConfidenceScheduler:
                 self.mean_profile[k] += PROFILE_EMA * (p - self.mean_profile[k])
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's profile."""
+        """Drop a finished request's profile (and its own scheduler when it was pinned)."""
         self.profiles.pop(request_id, None)
+        self.pinned.pop(request_id, None)
+
+    # ------------------------------------------------------------------ pinned requests
+    def _own(self, request_id: str) -> ConfidenceScheduler | None:
+        if self.reference is None:
+            return None
+        own = self.pinned.get(request_id)
+        if own is None:  # its own copy: nothing it learns or corrects is shared
+            ref = self.reference
+            costs = StepCosts(ref.batch_sizes, ref.widths, ref.verify, ref.ragged, ref.draft)
+            own = self.pinned[request_id] = ConfidenceScheduler(costs, self.n)
+        return own
+
+    def plan_pinned(self, request_id: str, budget: int) -> int:
+        """Before the draft pass: the drafts a pinned request verifies (0 = none), chosen
+        alone on the reference costs from its own past steps (module docstring)."""
+        own = self._own(request_id)
+        if own is None:
+            return budget
+        return own.plan([request_id], [budget]).lengths[0]
+
+    def choose_pinned(self, request_id: str, confidence: torch.Tensor) -> int:
+        """After the draft pass: how many of a pinned request's drafts (fp32 [m]
+        confidences) to verify, on the reference costs with its m drafts' pass paid."""
+        own = self._own(request_id)
+        m = int(confidence.shape[0])
+        if own is None or m == 0:
+            return m
+        return own.choose([own.calibrated(confidence)], [m], draft_rows=m).lengths[0]
+
+    def record_pinned(self, request_id: str, confidence, verified: int, accepted: int) -> None:
+        """Fold a pinned request's step into its own scheduler and into this one's stats
+        and calibration (those only steer the requests that are not pinned)."""
+        own = self._own(request_id)
+        if own is not None:
+            own.record(request_id, confidence, verified, accepted)
+        self.record(request_id, confidence, verified, accepted)

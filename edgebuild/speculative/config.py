@@ -2,8 +2,9 @@
 
 Keys follow vLLM and TensorRT-Edge-LLM: `method`, `model`, `num_speculative_tokens`, plus
 `draft_top_k` (top-k base candidates of the Markov walk; 0 = full vocabulary) and
-`confidence_threshold` (static cutoff; 0 = off) and `confidence_scheduling` (load-aware
-verification, :mod:`edgebuild.runtime.spec_schedule`). The methods are the registry's
+`confidence_threshold` (static cutoff; 0 = off) and `confidence_scheduling` (verification
+lengths from measured step costs, :mod:`edgebuild.runtime.spec_schedule`; default true,
+false = fixed lengths). The methods are the registry's
 (:mod:`edgebuild.speculative.registry`, one declarative record per method).
 
 When `draft_top_k` is not given, the draft's own recommendation is used: vLLM's hf_config key
@@ -100,8 +101,12 @@ class SpeculativeConfig:
         confidence_threshold: static confidence cutoff in [0, 1) (0 = off).
         confidence_scheduling: load-aware confidence scheduling (DSpark Algorithm 1,
             :mod:`edgebuild.runtime.spec_schedule`): per step and request, verify only the
-            drafts that pay for themselves under the current load; the static cutoff, when
-            set, still bounds each proposal first.
+            drafts that pay for themselves under the current load and this backend's
+            measured step costs (at batch 1 too: no draft at all when drafting loses); a
+            seeded sampled request (or one asking for logprobs) is scheduled alone on the
+            backend's reference costs, so its output is reproducible. The static cutoff,
+            when set, still bounds each proposal first. Default true; false forces fixed
+            lengths (every step verifies n).
         draft_top_k_given: `draft_top_k` was set by the user (not defaulted): a backend
             that cannot honour it must refuse it.
     """
@@ -112,7 +117,7 @@ class SpeculativeConfig:
     draft_top_k: int = DEFAULT_DRAFT_TOP_K
     confidence_threshold: float = 0.0
     draft_top_k_given: bool = field(default=False, compare=False)
-    confidence_scheduling: bool = False
+    confidence_scheduling: bool = True
     source: ModelSource | None = field(default=None, compare=False)  # the resolved reference
 
     @classmethod
@@ -169,7 +174,7 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-config: confidence_threshold must be in [0, 1), got {thr!r}"
             )
-        sched = value.get("confidence_scheduling", False)
+        sched = value.get("confidence_scheduling", True)
         if not isinstance(sched, bool):
             raise ConfigError(
                 f"--speculative-config: confidence_scheduling must be true or false, got {sched!r}"
