@@ -193,3 +193,21 @@ def test_json_object_means_an_object_not_any_json_value():
     for text, ok in [("[null]", False), ("null", False), ('{"a": null}', True)]:
         matcher = xgr.GrammarMatcher(outputs.compile(GrammarSpec("json_object")))
         assert (matcher.accept_string(text) and matcher.is_completed()) == ok, text
+
+
+@pytest.mark.parametrize("text", ["<tool_", '<tool_call>\n{"na'])
+def test_a_forced_tool_call_cut_by_max_tokens_leaks_no_markup(text):
+    from edgebuild.serve.scheduler import Event
+    from edgebuild.serve.streaming import chat_response
+    from edgebuild.serve.tools import ToolCallStream
+
+    body = {"messages": USER, "tools": [TOOL], "tool_choice": "required", "max_tokens": 3}
+    req = parse_request(ChatCompletionRequest, body)
+    ev = Event("done", text=text, final_text=text, finish_reason="length", completion_tokens=3)
+    choice = chat_response([ev], "id", "m", req).choices[0]
+    assert choice.message.content is None and choice.message.tool_calls is None
+    assert choice.finish_reason == "length"
+    stream = ToolCallStream(req.forces_tool_call)
+    assert stream.feed(text) + stream.finish() == []
+    auto = ToolCallStream()  # tool_choice auto: the text was the model's own, kept as content
+    assert auto.feed(text) + auto.finish() == [{"content": text}]

@@ -511,6 +511,11 @@ class ChatCompletionRequest(_GenerationRequest):
         """Tools are offered to the model (given, and tool_choice is not none)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def forces_tool_call(self) -> bool:
+        """``tool_choice`` required or a named function (with tools): the output is one call."""
+        return self.uses_tools and (self.tool_choice == "required" or bool(self.forced_tool()))
+
     def grammar_spec(self) -> GrammarSpec | None:
         """As for completions; with ``tool_choice`` required or named, the forced tool call
         (:func:`edgebuild.serve.tools.forced_grammar`).
@@ -519,7 +524,7 @@ class ChatCompletionRequest(_GenerationRequest):
             APIError: 400 for a forced call together with another structured output.
         """
         spec = super().grammar_spec()
-        if self.uses_tools and (self.tool_choice == "required" or self.forced_tool()):
+        if self.forces_tool_call:
             if spec is not None:
                 raise bad_request(
                     "tool_choice required / a named function cannot be combined with "
