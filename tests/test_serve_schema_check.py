@@ -128,6 +128,10 @@ def test_an_assistant_message_may_carry_only_tool_calls():
 ENFORCED = [
     ({"type": "integer", "minimum": 3, "maximum": 5}, "1", "4"),
     ({"type": "integer", "exclusiveMinimum": 3}, "3", "4"),
+    ({"type": "number", "exclusiveMaximum": 3}, "3", "2.5"),
+    ({"type": "array", "items": {"type": "integer"}, "maxItems": 1}, "[1, 2]", "[1]"),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, '"x"', "null"),
+    ({"$ref": "#/definitions/a", "definitions": {"a": {"type": "null"}}}, "1", "null"),
     ({"type": "integer", "multipleOf": 7}, "10", "14"),
     ({"type": "string", "minLength": 3, "maxLength": 4}, '"a"', '"abc"'),
     ({"type": "string", "pattern": "^a+$"}, '"b"', '"aa"'),
