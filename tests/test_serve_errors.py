@@ -160,6 +160,39 @@ CASES = [
     ("oversized body", "POST", CHAT, chat(pad="x" * 5000), 413, "larger than 4096 bytes"),
     ("GET on a POST route", "GET", CHAT, None, 405, "Method Not Allowed"),
     ("unknown route", "POST", "/v1/nope", {}, 404, "Not Found"),
+    # structured outputs and tools (the break-it tester's findings: each was a 200 before)
+    (
+        "schema with not",
+        "POST",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}}),
+        400,
+        "JSON Schema keyword 'not'",
+    ),
+    (
+        "unknown structured_outputs field",
+        "POST",
+        CHAT,
+        chat(structured_outputs={"bogus": 1}),
+        400,
+        "structured_outputs.bogus",
+    ),
+    (
+        "tool without a name",
+        "POST",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": ""}}]),
+        400,
+        "tools[0].function.name",
+    ),
+    (
+        "user content null",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": None}]},
+        400,
+        "needs 'content'",
+    ),
 ]
 
 

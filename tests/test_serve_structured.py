@@ -289,6 +289,18 @@ def test_tool_round_trip_call_result_answer(clients, name):
     assert none.choices[0].message.tool_calls is None
 
 
+def test_a_forced_call_cut_by_max_tokens_returns_no_markup(clients):
+    client = clients["target-only"]
+    kw = dict(model=MODEL, tools=[WEATHER], tool_choice="required", temperature=0.0, max_tokens=3)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = client.chat.completions.create(messages=messages, **kw).choices[0]
+    assert (choice.message.content, choice.message.tool_calls) == (None, None)
+    assert choice.finish_reason == "length"
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_tool_call_parsing_and_incremental_stream():
     from edgebuild.serve.tools import ToolCallStream, parse_tool_calls
 

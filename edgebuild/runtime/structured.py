@@ -44,7 +44,7 @@ class GrammarSpec:
     """What the output must match.
 
     Attributes:
-        kind: ``json_object`` (any JSON object), ``json_schema`` (``value``: the schema as
+        kind: ``json_object`` (any JSON object, not an array or a scalar), ``json_schema`` (``value``: the schema as
             JSON text), ``regex``, ``choice`` (``value``: a JSON list of strings) or
             ``grammar`` (``value``: EBNF in xgrammar's / vLLM's GBNF dialect) or
             ``tool_call`` (``value``: a JSON schema; the output is ``<tool_call>\n`` + JSON
@@ -89,8 +89,8 @@ class StructuredOutputs:
         """
         c = self.compiler
         try:
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # OpenAI's json_object: a JSON object
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "json_schema":
                 return c.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
             if spec.kind == "regex":

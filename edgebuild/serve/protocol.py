@@ -23,10 +23,19 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from edgebuild.errors import RequestError
 from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.schema_check import check_schema
 from edgebuild.runtime.structured import GrammarSpec
 from edgebuild.serve.errors import APIError, bad_request
 from edgebuild.serve.tools import forced_grammar
@@ -156,6 +165,25 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_required(cls, data):
+        # OpenAI: content is required except on an assistant message (which may carry only
+        # tool_calls); a tool result also needs the tool_call_id it answers
+        if not isinstance(data, dict) or data.get("role") == "assistant":
+            return data
+        content = data.get("content")
+        if content is None or content == []:
+            raise ValueError(
+                f"a {data.get('role')!r} message needs 'content' (a string or a non-empty list "
+                "of content parts), got " + ("none" if content is None else "[]")
+            )
+        if data.get("role") == "tool" and not isinstance(data.get("tool_call_id"), str):
+            raise ValueError(
+                "a 'tool' message needs 'tool_call_id' (the id of the call it answers)"
+            )
+        return data
+
     @field_validator("content", mode="plain")
     @classmethod
     def _check_content(cls, value):
@@ -210,7 +238,7 @@ class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: str = "response"
     description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -222,9 +250,11 @@ class ResponseFormat(_Strict):
 
 
 class StructuredOutputsParams(_Strict):
-    """vLLM's ``structured_outputs`` object (one of its fields)."""
+    """vLLM's ``structured_outputs`` object (one of its fields; any other is refused by name,
+    vLLM's ``structural_tag`` and whitespace options included)."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -253,7 +283,7 @@ class _GenerationRequest(_Strict):
     min_tokens: int = 0
     min_p: float | None = None
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -309,36 +339,48 @@ class _GenerationRequest(_Strict):
         if rf is not None and rf.type == "json_object":
             found.append(("response_format", GrammarSpec("json_object")))
         if rf is not None and rf.type == "json_schema":
-            if rf.json_schema is None or not rf.json_schema.schema_:
+            schema = None if rf.json_schema is None else rf.json_schema.schema_
+            if schema is None or schema == {}:
                 raise bad_request(
                     "response_format type json_schema needs json_schema.schema",
                     "response_format",
                 )
-            found.append(("response_format", _schema_spec(rf.json_schema.schema_)))
+            if schema is True:
+                raise bad_request(
+                    "response_format.json_schema.schema must be an object schema at the top "
+                    "level (as in OpenAI), got true; for any JSON value send guided_json: true",
+                    "response_format",
+                )
+            found.append(("response_format", _schema_spec(schema, "response_format")))
         so = self.structured_outputs
         pairs = [
-            ("guided_json", self.guided_json, _schema_spec),
+            ("guided_json", self.guided_json, lambda v: _schema_spec(v, "guided_json")),
             ("guided_regex", self.guided_regex, lambda v: GrammarSpec("regex", v)),
             ("guided_choice", self.guided_choice, _choice_spec),
             ("guided_grammar", self.guided_grammar, lambda v: GrammarSpec("grammar", v)),
         ]
         if so is not None:
             pairs += [
-                ("structured_outputs", so.json_, _schema_spec),
-                ("structured_outputs", so.regex, lambda v: GrammarSpec("regex", v)),
-                ("structured_outputs", so.choice, _choice_spec),
-                ("structured_outputs", so.grammar, lambda v: GrammarSpec("grammar", v)),
                 (
-                    "structured_outputs",
+                    "structured_outputs.json",
+                    so.json_,
+                    lambda v: _schema_spec(v, "structured_outputs"),
+                ),
+                ("structured_outputs.regex", so.regex, lambda v: GrammarSpec("regex", v)),
+                ("structured_outputs.choice", so.choice, _choice_spec),
+                ("structured_outputs.grammar", so.grammar, lambda v: GrammarSpec("grammar", v)),
+                (
+                    "structured_outputs.json_object",
                     so.json_object or None,
                     lambda v: GrammarSpec("json_object"),
                 ),
             ]
         found += [(name, make(v)) for name, v, make in pairs if v is not None]
         if len(found) > 1:
-            names = ", ".join(sorted({n for n, _ in found}))
+            names = ", ".join(n for n, _ in found)
             raise bad_request(
-                f"ask for one structured output at a time, got several ({names})", found[1][0]
+                f"ask for one structured output at a time, got several: {names} conflict; keep one",
+                found[1][0].split(".")[0],
             )
         return found[0][1] if found else None
 
@@ -431,9 +473,29 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise bad_request("tool_choice needs tools", "tool_choice")
+        self._check_tools()
         name = self.forced_tool()
         if name is not None and name not in {t.function.name for t in self.tools}:
             raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+
+    def _check_tools(self) -> None:
+        """Each tool has a non-empty name used once, and parameters structured outputs can
+        enforce (checked always: the forced call compiles them)."""
+        seen: set[str] = set()
+        for i, tool in enumerate(self.tools or ()):
+            fn, where = tool.function, f"tools[{i}].function"
+            if not fn.name or fn.name in seen:
+                raise bad_request(
+                    f"{where}.name must be a non-empty name used by one tool only, got "
+                    f"{fn.name!r}" + (" (already in tools)" if fn.name else ""),
+                    f"{where}.name",
+                )
+            seen.add(fn.name)
+            if fn.parameters is not None:
+                try:
+                    check_schema(fn.parameters, f"{where}.parameters")
+                except RequestError as exc:
+                    raise bad_request(str(exc), f"{where}.parameters") from None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given
@@ -449,6 +511,11 @@ class ChatCompletionRequest(_GenerationRequest):
         """Tools are offered to the model (given, and tool_choice is not none)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def forces_tool_call(self) -> bool:
+        """``tool_choice`` required or a named function (with tools): the output is one call."""
+        return self.uses_tools and (self.tool_choice == "required" or bool(self.forced_tool()))
+
     def grammar_spec(self) -> GrammarSpec | None:
         """As for completions; with ``tool_choice`` required or named, the forced tool call
         (:func:`edgebuild.serve.tools.forced_grammar`).
@@ -457,7 +524,7 @@ class ChatCompletionRequest(_GenerationRequest):
             APIError: 400 for a forced call together with another structured output.
         """
         spec = super().grammar_spec()
-        if self.uses_tools and (self.tool_choice == "required" or self.forced_tool()):
+        if self.forces_tool_call:
             if spec is not None:
                 raise bad_request(
                     "tool_choice required / a named function cannot be combined with "
@@ -549,7 +616,22 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("the prompt is empty (0 token ids)", "prompt")
 
 
-def _schema_spec(value) -> GrammarSpec:
+def _schema_spec(value, field: str) -> GrammarSpec:
+    """The json_schema spec of `value` (a schema, or its JSON text), checked up front.
+
+    Raises:
+        APIError: 400 (param `field`) for a keyword structured outputs would not enforce or
+            an unsatisfiable schema (:func:`edgebuild.runtime.schema_check.check_schema`).
+    """
+    try:
+        schema = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
+        schema = None  # not JSON: xgrammar's compile says so, naming the field
+    try:
+        if schema is not None:
+            check_schema(schema, field)
+    except RequestError as exc:
+        raise bad_request(str(exc), field) from None
     return GrammarSpec("json_schema", value if isinstance(value, str) else json.dumps(value))
 
 

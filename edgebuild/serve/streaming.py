@@ -167,13 +167,18 @@ def _chat_logprobs(ev: Event, wanted: bool) -> ChoiceLogprobs | None:
     return ChoiceLogprobs(content=ev.logprobs) if wanted else None
 
 
-def _message(ev: Event, tools: bool) -> tuple[AssistantMessage, str | None]:
+def _message(ev: Event, tools: bool, forced: bool = False) -> tuple[AssistantMessage, str | None]:
     """The assistant message of a finished choice and its finish_reason (``tool_calls``
-    when its text held calls and tools were offered: :mod:`edgebuild.serve.tools`)."""
+    when its text held calls and tools were offered: :mod:`edgebuild.serve.tools`). A
+    `forced` call (``tool_choice`` required or named) cut before it completed
+    (``max_tokens``) gives no content and no calls, its own finish_reason (``length``):
+    the partial markup is not returned as text."""
     if tools:
         content, calls = parse_tool_calls(ev.final_text)
         if calls:
             return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+        if forced:
+            return AssistantMessage(content=None), ev.finish_reason
     return AssistantMessage(content=ev.final_text), ev.finish_reason
 
 
@@ -207,7 +212,7 @@ def chat_response(
     logprobs, tools = bool(req.logprobs), req.uses_tools
     choices = []
     for i, ev in enumerate(events):
-        message, finish = _message(ev, tools)
+        message, finish = _message(ev, tools, req.forces_tool_call)
         choices.append(
             ChatChoice(
                 index=i,
@@ -318,7 +323,7 @@ async def chat_stream(
         return lines.of(ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp))
 
     done: list[Event] = []
-    streams = [ToolCallStream() if tools else None for _ in tickets]
+    streams = [ToolCallStream(req.forces_tool_call) if tools else None for _ in tickets]
     try:
         for i in range(len(tickets)):
             yield chunk(i, DeltaMessage(role="assistant", content=""))

@@ -23,6 +23,9 @@ piece of the arguments' text goes out as it is generated, so the pieces concaten
 non-streamed ``arguments``. Where the two can differ: a block whose name was streamed but
 that then never parses (malformed JSON, or cut by ``max_tokens`` before ``</tool_call>``)
 stays a (broken) call in the stream, while the non-streamed answer keeps it as content.
+A forced call (``tool_choice`` required or named) cut by ``max_tokens`` before it parses is
+not content in either: the answer has no content and no calls, with ``finish_reason``
+``length`` (the partial ``<tool_call>`` markup is dropped).
 """
 
 from __future__ import annotations
@@ -192,7 +195,8 @@ class ToolCallStream:
     for its calls, the arguments sent piece by piece as they are generated (module
     docstring)."""
 
-    def __init__(self):
+    def __init__(self, forced: bool = False):
+        self.forced = forced  # tool_choice required / named: the text is one call, no content
         self.buf = ""  # text not classified yet (inside a call: the block so far)
         self.in_call = False
         self.calls = 0  # calls started (the next call's index)
@@ -224,8 +228,11 @@ class ToolCallStream:
 
     def finish(self) -> list[dict]:
         """The pieces left when the choice ends: the held tail, or an unclosed block whose
-        call never started (as content); a started call was already streamed."""
+        call never started (as content; none for a forced call cut by ``max_tokens``); a
+        started call was already streamed."""
         text = self.buf if not self.in_call else ("" if self.head else OPEN + self.buf)
+        if self.forced:
+            text = ""  # only the (cut) call's markup: not content
         self.buf, self.in_call = "", False
         out: list[dict] = []
         _add_content(out, text)
