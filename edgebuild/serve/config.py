@@ -211,8 +211,15 @@ class ServeState:
 
     @property
     def max_model_len(self) -> int:
-        """Prompt + generated tokens one request may reach (the per-sequence KV limit)."""
-        return min(self.llm.options.seq_capacity, self.llm.config.max_position_embeddings)
+        """Prompt + generated tokens one request may reach (:attr:`LLM.max_model_len`: the
+        target's per-sequence KV limit, and a full-attention draft's pool)."""
+        return self.llm.max_model_len
+
+    @property
+    def max_input_len(self) -> int:
+        """Longest prompt in tokens accepted: ``--max-input-len``, and at most
+        max_model_len - 1 (a prompt leaves room for one generated token)."""
+        return min(self.llm.options.max_input_len, self.max_model_len - 1)
 
     @cached_property
     def prompt_char_limit(self) -> int:
@@ -225,7 +232,7 @@ class ServeState:
         """
         vocab = self.llm.tokenizer.get_vocab()
         longest = max((len(k) for k in vocab), default=0)
-        return self.llm.options.max_input_len * max(MIN_CHARS_PER_TOKEN, longest)
+        return self.max_input_len * max(MIN_CHARS_PER_TOKEN, longest)
 
     @property
     def sampling_defaults(self) -> dict:
