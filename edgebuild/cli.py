@@ -95,13 +95,22 @@ def example_prepare(out: Path, nvfp4_out: Path | None, no_nvfp4: bool, force: bo
 def inspect(ckpt: str, draft: str | None, revision: str | None, as_json: bool) -> None:
     """Architecture, dtypes, quant format, tensor count and bytes (and draft provenance).
 
-    CKPT is a checkpoint folder or a Hub id (org/name[@revision]).
+    CKPT is a checkpoint folder, a Hub id (org/name[@revision]) or a bundle folder (its
+    manifest: roles, sources, limits, the draft's KV bytes; `edgebuild verify` checks its
+    files).
     """
-    from edgebuild.inspect import inspect_checkpoint
+    from edgebuild.bundle.manifest import is_bundle
+    from edgebuild.errors import ConfigError
+    from edgebuild.inspect import inspect_bundle, inspect_checkpoint
 
     target = _ref(ckpt, revision)
-    draft_dir = _ref(draft, what="draft model").path if draft is not None else None
-    report = inspect_checkpoint(target.path, draft_dir)
+    if is_bundle(target.path):
+        if draft is not None:
+            raise ConfigError(f"--draft: {ckpt} is a bundle, which carries its own draft; omit it")
+        report = inspect_bundle(target.path)
+    else:
+        draft_dir = _ref(draft, what="draft model").path if draft is not None else None
+        report = inspect_checkpoint(target.path, draft_dir)
     if target.is_hub:
         report = {"model": f"{target.repo_id}@{target.commit}", **report}
     if as_json:
