@@ -158,8 +158,15 @@ def test_the_serve_flag_sizes_the_drafts_cache_and_bad_values_name_it(pair, monk
         raise ConfigError("stop here")
 
     monkeypatch.setattr(edgebuild.deploy, "serve_loader", fake_loader)
-    result = CliRunner().invoke(cli.main, [str(target), "--max-draft-kv-cache-capacity", "96"])
+    flags = [str(target), "--speculative-config", json.dumps(_spec(draft))]
+    result = CliRunner().invoke(cli.main, [*flags, "--max-draft-kv-cache-capacity", "96"])
     assert result.exit_code == 2 and seen["config"].max_draft_kv_cache_capacity == 96
+    seen.clear()  # without a draft: refused before the loader runs (no model loaded)
+    result = CliRunner().invoke(cli.main, [str(target), "--max-draft-kv-cache-capacity", "100"])
+    assert result.exit_code == 2 and not seen, result.output
+    assert (
+        "--max-draft-kv-cache-capacity 100" in result.output and "without a draft" in result.output
+    )
     assert "--max-draft-kv-cache-capacity" in CliRunner().invoke(cli.main, ["--help"]).output
     CliRunner().invoke(cli.main, [str(target)])
     assert seen["config"].max_draft_kv_cache_capacity is None  # default: the target's rows
@@ -244,3 +251,26 @@ def test_a_lone_request_past_the_drafts_pool_finishes_with_length_not_a_500(pair
     assert ends[0].finish_reason == "length" and 0 < ends[0].completion_tokens < 120
     assert want.startswith(ends[0].final_text)
     assert llm.free_pages() == (llm.target.allocator.num_pages, llm.draft.allocator.num_pages)
+
+
+def test_a_max_model_len_one_request_cannot_hold_is_refused_not_clamped(pair):
+    """As vLLM: --max-model-len above the per-request capacity is a ConfigError naming the
+    flag that bounds it (before loading on the torch backend; after, for the draft's pool)."""
+    from edgebuild.errors import ConfigError
+    from edgebuild.serve import config as cfg
+
+    target, draft = pair
+    flags = dict(model=target, max_kv_cache_capacity=512, max_model_len=2000, backend="torch")
+    with pytest.raises(ConfigError, match="--max-model-len 2000 .* 512 tokens .*--max-kv-cache"):
+        cfg.ServeConfig(**flags).validate()
+    config = cfg.ServeConfig(
+        model=target,
+        speculative_config=json.dumps(_spec(draft)),
+        max_kv_cache_capacity=256,
+        max_draft_kv_cache_capacity=64,
+        max_model_len=100,
+        backend="torch",
+    )
+    plan = cfg.ServePlan(target, cfg.BackendChoice("torch", "asked"), config.speculative_config)
+    with pytest.raises(ConfigError, match="--max-model-len 100 .* 64 tokens .*--max-draft-kv"):
+        cfg.load_state(config, plan)
