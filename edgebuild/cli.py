@@ -95,13 +95,22 @@ def example_prepare(out: Path, nvfp4_out: Path | None, no_nvfp4: bool, force: bo
 def inspect(ckpt: str, draft: str | None, revision: str | None, as_json: bool) -> None:
     """Architecture, dtypes, quant format, tensor count and bytes (and draft provenance).
 
-    CKPT is a checkpoint folder or a Hub id (org/name[@revision]).
+    CKPT is a checkpoint folder, a Hub id (org/name[@revision]) or a bundle folder (its
+    manifest: roles, sources, limits, the draft's KV bytes; `edgebuild verify` checks its
+    files).
     """
-    from edgebuild.inspect import inspect_checkpoint
+    from edgebuild.bundle.manifest import is_bundle
+    from edgebuild.errors import ConfigError
+    from edgebuild.inspect import inspect_bundle, inspect_checkpoint
 
     target = _ref(ckpt, revision)
-    draft_dir = _ref(draft, what="draft model").path if draft is not None else None
-    report = inspect_checkpoint(target.path, draft_dir)
+    if is_bundle(target.path):
+        if draft is not None:
+            raise ConfigError(f"--draft: {ckpt} is a bundle, which carries its own draft; omit it")
+        report = inspect_bundle(target.path)
+    else:
+        draft_dir = _ref(draft, what="draft model").path if draft is not None else None
+        report = inspect_checkpoint(target.path, draft_dir)
     if target.is_hub:
         report = {"model": f"{target.repo_id}@{target.commit}", **report}
     if as_json:
@@ -408,6 +417,11 @@ def _build_recipe(source: str, draft: str | None, revision: str | None, flags: d
     target = _ref(source, revision)
     draft_src = _ref(draft, what="draft model") if draft is not None else None
     spec_keys = {"num_speculative_tokens", "draft_top_k"}
+    orphans = sorted(k for k in spec_keys & set(given)) if draft_src is None else []
+    if orphans:
+        named = ", ".join("--" + k.replace("_", "-") for k in orphans)
+        raise ConfigError(f"{named} sets the DSpark draft, but no --draft is given; add "
+                          "--draft DRAFT or omit it")  # fmt: skip
     recipe = recipe_from_flags(
         target.path,
         draft_src.path if draft_src is not None else None,
@@ -508,9 +522,8 @@ def _entry_sources(entry: dict) -> str:
 @_friendly
 def cache_list(cache_dir: Path | None, as_json: bool) -> None:
     """Each entry: key, name, sources, size, build time, created, last use, status."""
-    from edgebuild.bundle.cache import EngineCache
 
-    store = EngineCache(cache_dir)
+    store = _cache_store(cache_dir)
     entries = store.entries()
     if as_json:
         click.echo(json.dumps(entries, indent=2, sort_keys=True))
@@ -531,10 +544,9 @@ def cache_list(cache_dir: Path | None, as_json: bool) -> None:
 @_friendly
 def cache_verify(keys: tuple[str, ...], cache_dir: Path | None) -> None:
     """Re-hash every byte of the entries (all, or KEYS) and their sources; exit 2 on a bad one."""
-    from edgebuild.bundle.cache import EngineCache
     from edgebuild.errors import BundleError
 
-    store = EngineCache(cache_dir)
+    store = _cache_store(cache_dir)
     bad = 0
     for key in keys or [e["key"] for e in store.entries()]:
         try:
@@ -559,10 +571,9 @@ def cache_verify(keys: tuple[str, ...], cache_dir: Path | None) -> None:
 @_friendly
 def cache_remove(keys: tuple[str, ...], cache_dir: Path | None) -> None:
     """Delete the entries KEYS (e.g. ones `cache verify` found bad); the next build rebuilds."""
-    from edgebuild.bundle.cache import EngineCache
     from edgebuild.errors import ConfigError
 
-    store = EngineCache(cache_dir)
+    store = _cache_store(cache_dir)
     known = {e["key"] for e in store.entries()}
     missing = [k for k in keys if k not in known]
     if missing:
@@ -571,6 +582,21 @@ def cache_remove(keys: tuple[str, ...], cache_dir: Path | None) -> None:
         if not store._try_remove(key):
             raise ConfigError(f"entry {key} is in use (a build holds its lock); try again later")
         click.echo(f"removed {key}")
+
+
+def _cache_store(cache_dir: Path | None):
+    """The engine cache at ``cache_dir`` (None: the default); a path that exists but is not
+    a directory is a ConfigError naming it (never "0 entries")."""
+    from edgebuild.bundle.cache import EngineCache
+    from edgebuild.errors import ConfigError
+
+    store = EngineCache(cache_dir)
+    if store.root.exists() and not store.root.is_dir():
+        raise ConfigError(
+            f"engine cache {store.root} is not a directory; give --cache-dir (or "
+            "$EDGEBUILD_CACHE_DIR) a directory"
+        )
+    return store
 
 
 @cache.command("prune")
@@ -583,9 +609,9 @@ def cache_remove(keys: tuple[str, ...], cache_dir: Path | None) -> None:
 @_friendly
 def cache_prune(cache_dir, older_than, max_size, dry_run) -> None:
     """Remove old or least recently used entries (and incomplete ones, always)."""
-    from edgebuild.bundle.cache import EngineCache, parse_age, parse_size
+    from edgebuild.bundle.cache import parse_age, parse_size
 
-    store = EngineCache(cache_dir)
+    store = _cache_store(cache_dir)
     removed = store.prune(
         parse_age(older_than) if older_than else None,
         parse_size(max_size) if max_size else None,

@@ -124,3 +124,37 @@ def inspect_checkpoint(ckpt: Path, draft: Path | None = None) -> dict:
             "embed_tokens": f"{embed.name} from {embed.checkpoint_source} ({embed.format}, {embed.file})",
         },
     }
+
+
+def inspect_bundle(bundle: Path) -> dict:
+    """Report for ``edgebuild inspect BUNDLE``: what its ``manifest.json`` records (the
+    files are not re-hashed: that is ``edgebuild verify``).
+
+    Returns:
+        ``{"bundle", "format_version", "roles": {role: "graph_kind dtype, onnx, engine"},
+        "sources": {name: checkpoint path}, "limits": the manifest's ``build`` fields,
+        "speculative", "dspark_kv_cache" (the draft's attention and K+V bytes per token),
+        "engines"}``; keys the manifest lacks are left out.
+
+    Raises:
+        BundleError: no manifest, bad JSON, another format or format version.
+    """
+    from edgebuild.bundle.manifest import read_manifest
+
+    m = read_manifest(bundle)
+    roles = {
+        name: f"{r.get('graph_kind')} {r.get('dtype')}, {r.get('onnx')}, "
+        f"engine {r.get('engine') or 'not built'}"
+        for name, r in sorted(m.get("roles", {}).items())
+    }
+    report = {
+        "bundle": str(Path(bundle).resolve()),
+        "format_version": m.get("format_version"),
+        "roles": roles,
+        "sources": {k: v.get("path") for k, v in sorted(m.get("sources", {}).items())},
+        "limits": m.get("build"),
+        "speculative": m.get("speculative"),
+        "dspark_kv_cache": (m.get("dspark") or {}).get("kv_cache"),
+        "engines": (m.get("engines") or {}).get("status"),
+    }
+    return {k: v for k, v in report.items() if v is not None}

@@ -304,3 +304,34 @@ def test_a_build_removes_the_staging_folders_of_killed_builds_only(pair, tmp_pat
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_inspect_on_a_bundle_reports_its_manifest(bundle, pair):
+    """`edgebuild inspect BUNDLE` reads the manifest (oracle: the manifest's own fields)
+    instead of failing on a missing config.json; --draft with a bundle is refused by name."""
+    m = json.loads((bundle / "manifest.json").read_text())
+    result = CliRunner().invoke(main, ["inspect", str(bundle), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert set(report["roles"]) == set(m["roles"]) == {"base", "draft"}
+    assert report["roles"]["base"].startswith(m["roles"]["base"]["graph_kind"])
+    assert report["sources"] == {k: v["path"] for k, v in m["sources"].items()}
+    assert report["limits"]["max_kv_cache_capacity"] == 128
+    assert report["dspark_kv_cache"] == m["dspark"]["kv_cache"]
+    assert report["engines"] == "not built: --onnx-only"
+    text = CliRunner().invoke(main, ["inspect", str(bundle)])
+    assert text.exit_code == 0 and "max_kv_cache_capacity" in text.output, text.output
+    refused = CliRunner().invoke(main, ["inspect", str(bundle), "--draft", str(pair[1])])
+    assert refused.exit_code == 2 and "--draft" in refused.output, refused.output
+
+
+def test_a_build_into_an_unwritable_folder_names_the_output(pair, tmp_path):
+    """-o under a regular file (like /proc/x): a clear error naming the output, rc 2."""
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "x"
+    args = ["build", str(pair[0]), "-o", str(out), "--onnx-only"]
+    args += ["--max-input-len", "64", "--max-kv-cache-capacity", "128"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert f"cannot write the output {out}" in result.output
+    assert not out.exists()

@@ -545,12 +545,13 @@ def test_cli_inspect_reports_error_and_exits_2(name, tmp_path, bases):
 
 
 def test_cli_subprocess_prints_no_traceback(tmp_path, bf16_dir):
-    """The real console script path: stderr holds one `error:` line, no Python traceback."""
+    """The real console script path (`python -m edgebuild`, edgebuild/__main__.py): stderr
+    holds one `error:` line, no Python traceback."""
     d = tmp_path / "bad"
     shutil.copytree(bf16_dir, d)
     _edit_tensors(d, lambda t: t.pop(UP1))
     proc = subprocess.run(
-        [sys.executable, "-m", "edgebuild.cli", "inspect", str(d)],
+        [sys.executable, "-m", "edgebuild", "inspect", str(d)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -160,8 +160,15 @@ def test_the_serve_flag_sizes_the_drafts_cache_and_bad_values_name_it(pair, monk
         raise ConfigError("stop here")
 
     monkeypatch.setattr(edgebuild.deploy, "serve_loader", fake_loader)
-    result = CliRunner().invoke(cli.main, [str(target), "--max-draft-kv-cache-capacity", "96"])
+    flags = [str(target), "--speculative-config", json.dumps(_spec(draft))]
+    result = CliRunner().invoke(cli.main, [*flags, "--max-draft-kv-cache-capacity", "96"])
     assert result.exit_code == 2 and seen["config"].max_draft_kv_cache_capacity == 96
+    seen.clear()  # without a draft: refused before the loader runs (no model loaded)
+    result = CliRunner().invoke(cli.main, [str(target), "--max-draft-kv-cache-capacity", "100"])
+    assert result.exit_code == 2 and not seen, result.output
+    assert (
+        "--max-draft-kv-cache-capacity 100" in result.output and "without a draft" in result.output
+    )
     assert "--max-draft-kv-cache-capacity" in CliRunner().invoke(cli.main, ["--help"]).output
     CliRunner().invoke(cli.main, [str(target)])
     assert seen["config"].max_draft_kv_cache_capacity is None  # default: the target's rows
@@ -206,3 +213,85 @@ def test_the_start_up_profile_fits_small_pools_instead_of_failing(pair, rows, dr
     assert batch * d.pages_for(ctx + 2 * llm.draft.block_size) <= d.num_pages
     assert llm.enable_confidence_scheduling(8, repeats=1) is not None
     assert t.free_pages == t.num_pages and d.free_pages == d.num_pages
+
+
+def test_one_requests_limit_is_the_smaller_of_the_target_and_draft_pools(pair):
+    """max_model_len, the prompt check and the default max_tokens come from the draft's pool
+    when it is the smaller (oracle: the draft allocator's rows minus one reserved block,
+    capped by the flag's rows); an over-long request is a 400 naming the draft's flag, up
+    front, never a 500 from the draft's pool mid-request."""
+    import httpx
+    from serve_fixtures import serving
+
+    from edgebuild.errors import RequestError
+
+    target, draft = pair
+    opts = RuntimeOptions(max_kv_rows=256, max_input_len=200, page_size=8, max_draft_kv_rows=64)
+    llm = LLM(target, speculative=_spec(draft), options=opts)
+    d = llm.draft.allocator
+    assert llm.draft_seq_capacity == min(64, d.num_pages * d.page_size - BLOCK) == 64
+    assert llm.max_model_len == 64
+    prompt = list(range(5, 45))  # 40 tokens: 40 + 30 + 3 > 64
+    with pytest.raises(RequestError, match="capacity of 64 tokens.*--max-draft-kv-cache-capacity"):
+        llm.check_request(prompt, SamplingParams(max_tokens=30))
+    llm.check_request(prompt, SamplingParams(max_tokens=21))  # 40 + 21 + 3 = 64: fits
+    assert LLM(target, options=opts).max_model_len == 256  # no draft: the target's pool
+    words = " ".join(f"t{i}" for i in range(5, 45))
+    with serving(llm) as srv:
+        model = httpx.get(srv.url + "/v1/models").json()["data"][0]
+        assert (model["max_model_len"], model["max_input_len"]) == (64, 63)
+        body = {"prompt": words, "max_tokens": 30, "temperature": 0.0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "--max-draft-kv-cache-capacity" in r.text, r.text
+        body = {"prompt": words + " " + words, "max_tokens": 1}  # 80 tokens > 63
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 400
+        chat = {"messages": [{"role": "user", "content": words}], "temperature": 0.0}
+        chat["ignore_eos"] = True  # no max_tokens: the rest of the context, on the draft's pool
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] + 3 == 64
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert llm.free_pages() == (llm.target.allocator.num_pages, d.num_pages)
+
+
+def test_a_lone_request_past_the_drafts_pool_finishes_with_length_not_a_500(pair, monkeypatch):
+    """Admission bypassed (check_request a no-op): a request whose context outgrows the
+    draft's pool ends with finish_reason "length", its text a prefix of the target-only
+    run's, and every page is freed."""
+    target, draft = pair
+    prompt = [5, 9, 2, 33, 7, 11]
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    reference = LLM(target, options=RuntimeOptions(max_kv_rows=512, max_input_len=64))
+    want = reference.generate_ids([prompt], params)[0].stopper.final_text()
+    opts = RuntimeOptions(max_kv_rows=256, max_input_len=64, page_size=8, max_draft_kv_rows=48)
+    llm = LLM(target, speculative=_spec(draft), options=opts)
+    monkeypatch.setattr(llm, "check_request", lambda *a: None)
+    ends, _ = run_scheduler(llm, [prompt], params, max_batch_size=1)
+    assert [e.kind for e in ends] == ["done"], [e.message for e in ends]
+    assert ends[0].finish_reason == "length" and 0 < ends[0].completion_tokens < 120
+    assert want.startswith(ends[0].final_text)
+    assert llm.free_pages() == (llm.target.allocator.num_pages, llm.draft.allocator.num_pages)
+
+
+def test_a_max_model_len_one_request_cannot_hold_is_refused_not_clamped(pair):
+    """As vLLM: --max-model-len above the per-request capacity is a ConfigError naming the
+    flag that bounds it (before loading on the torch backend; after, for the draft's pool)."""
+    from edgebuild.errors import ConfigError
+    from edgebuild.serve import config as cfg
+
+    target, draft = pair
+    flags = dict(model=target, max_kv_cache_capacity=512, max_model_len=2000, backend="torch")
+    with pytest.raises(ConfigError, match="--max-model-len 2000 .* 512 tokens .*--max-kv-cache"):
+        cfg.ServeConfig(**flags).validate()
+    config = cfg.ServeConfig(
+        model=target,
+        speculative_config=json.dumps(_spec(draft)),
+        max_kv_cache_capacity=256,
+        max_draft_kv_cache_capacity=64,
+        max_model_len=100,
+        backend="torch",
+    )
+    plan = cfg.ServePlan(target, cfg.BackendChoice("torch", "asked"), config.speculative_config)
+    with pytest.raises(ConfigError, match="--max-model-len 100 .* 64 tokens .*--max-draft-kv"):
+        cfg.load_state(config, plan)

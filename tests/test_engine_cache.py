@@ -482,3 +482,20 @@ def test_a_cache_dir_that_is_a_file_is_refused_before_building(pair, tmp_path, b
     )
     assert r.exit_code == 2 and "is not a directory" in r.output, r.output
     assert builds == []
+
+
+@pytest.mark.parametrize("command", ["prune", "list", "verify"])
+def test_cache_commands_on_a_file_refuse_it_instead_of_finding_no_entries(tmp_path, command):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = CliRunner().invoke(main, ["cache", command, "--cache-dir", str(afile)])
+    assert r.exit_code == 2 and f"engine cache {afile} is not a directory" in r.output, r.output
+    assert afile.read_text() == "x"
+
+
+def test_build_refuses_draft_flags_without_a_draft(pair, tmp_path, builds):
+    target, _ = pair
+    args = ["build", str(target), "-o", str(tmp_path / "b"), "--onnx-only"]
+    r = CliRunner().invoke(main, [*args, "--num-speculative-tokens", "3"])
+    assert r.exit_code == 2 and "--num-speculative-tokens" in r.output, r.output
+    assert "no --draft" in r.output and builds == [] and not (tmp_path / "b").exists()

@@ -42,6 +42,7 @@ UNITS = {
     "edgebuild.deploy": "app",
     "edgebuild.serve.cli": "app",  # the entry point composes serve, bundle and runtime
     "edgebuild.serve.__main__": "app",
+    "edgebuild.__main__": "app",  # python -m edgebuild = the edgebuild command
 }
 
 # unit -> units it may import directly (docs/ARCHITECTURE.md, the flow).

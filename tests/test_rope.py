@@ -336,3 +336,38 @@ def test_apply_rope_refuses_positions_beyond_the_table():
     table = rope_cos_sin_table(8, 10, RopeScaling())
     with pytest.raises(ValueError, match="10 rows"):
         apply_rope(torch.zeros(1, 2, 8), torch.tensor([[3, 10]]), table)
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"rope_type": "yarn", "factor": "x"}, "rope_parameters.factor"),
+        ({"rope_theta": "abc", "rope_type": "default"}, "rope_parameters.rope_theta"),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": [1], "high_freq_factor": 4.0},
+            "rope_parameters.low_freq_factor",
+        ),  # fmt: skip
+        ({"rope_type": "linear", "factor": True}, "rope_parameters.factor"),
+    ],
+)
+def test_a_rope_value_of_the_wrong_type_is_a_config_error_naming_it(params, field):
+    cfg = {"rope_parameters": params, "max_position_embeddings": 64}
+    with pytest.raises(ConfigError, match=rf"x/config\.json: {field} must be a number"):
+        RopeScaling.from_hf_config(cfg, source="x/config.json")
+
+
+def test_the_cli_exits_2_on_a_rope_value_of_the_wrong_type(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+    from tiny_checkpoints import write_tiny_llama
+
+    from edgebuild.cli import main
+
+    ckpt = write_tiny_llama(tmp_path / "m", layers=1)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": "x"}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    result = CliRunner().invoke(main, ["inspect", str(ckpt)])
+    assert result.exit_code == 2, result.output
+    assert "config.json" in result.output and "rope_parameters.factor" in result.output

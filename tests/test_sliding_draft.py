@@ -397,3 +397,23 @@ def test_a_windowed_bundle_on_onnxruntime_keeps_the_ring_and_equals_target_only(
     assert [s.output_ids for s in llm.generate_ids(prompts, sp)] == want
     assert max(c for c, _ in seen) > 3 * W and {p for _, p in seen} == {4}
     assert llm.draft.allocator.free_pages == llm.draft.allocator.num_pages
+
+
+def test_a_windowed_drafts_ring_does_not_limit_one_requests_length(target, tmp_path):
+    """LLM.max_model_len ignores a windowed draft's small pool (its ring is fixed per
+    request), where a full-attention draft with the same rows limits it."""
+    from export_fixtures import write_tiny_tokenizer
+
+    from edgebuild.runtime.llm import LLM, RuntimeOptions
+
+    target = shutil.copytree(target, tmp_path / "target")
+    write_tiny_tokenizer(target, json.loads((target / "config.json").read_text())["vocab_size"])
+    draft = windowed_draft(tmp_path / "d", target)
+    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": BLOCK - 1}
+    opts = RuntimeOptions(max_kv_rows=128, max_input_len=64, page_size=PAGE, max_draft_kv_rows=32)
+    llm = LLM(target, speculative=spec, options=opts)
+    assert llm.draft.ring is not None and llm.draft_seq_capacity is None
+    assert llm.max_model_len == min(128, llm.config.max_position_embeddings)
+    full = make_random_draft(tmp_path / "f", target, num_layers=2, block_size=BLOCK)
+    spec_full = {**spec, "model": str(full)}
+    assert LLM(target, speculative=spec_full, options=opts).max_model_len == 32

@@ -458,11 +458,17 @@ def _staging(out: Path, force: bool) -> Iterator[Path]:
     out = Path(out).resolve()
     if out.exists() and not force:
         raise BundleError(f"{out} exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_staging(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_staging(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise BundleError(
+            f"cannot write the output {out}: its folder {out.parent} does not take a new "
+            f"folder ({exc.strerror or exc}); pass a writable -o / --output path"
+        ) from None
     try:
         yield tmp
     except BaseException:

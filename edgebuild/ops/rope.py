@@ -162,8 +162,14 @@ class RopeScaling:
         partial = params.get("partial_rotary_factor") if partial is None else partial
         fields: dict = {
             "rope_type": rope_type,
-            "rope_theta": float(DEFAULT_ROPE_THETA if theta is None else theta),
-            "partial_rotary_factor": float(1.0 if partial is None else partial),
+            "rope_theta": _number(
+                DEFAULT_ROPE_THETA if theta is None else theta,
+                source,
+                f"{field}.rope_theta" if params.get("rope_theta") is not None else "rope_theta",
+            ),
+            "partial_rotary_factor": _number(
+                1.0 if partial is None else partial, source, "partial_rotary_factor"
+            ),
             **_scaling_fields(rope_type, cfg, params, field, source),
         }
         try:
@@ -174,6 +180,16 @@ class RopeScaling:
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 _YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+
+
+def _number(value, source: str, name: str) -> float:
+    """``value`` as a float; a ConfigError naming ``source`` and the field when it is not a
+    JSON number (a string, a bool, an object)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            f"{source}: {name} must be a number, got {type(value).__name__} {value!r}"
+        )
+    return float(value)
 
 
 def _scaling_fields(rope_type: str, cfg: dict, params: dict, field: str, source: str) -> dict:
@@ -189,13 +205,15 @@ def _scaling_fields(rope_type: str, cfg: dict, params: dict, field: str, source:
                 f"{source}: rope type {rope_type!r} needs "
                 f"{field}.original_max_position_embeddings or max_position_embeddings"
             )
-        fields["original_max_position_embeddings"] = int(original)
+        fields["original_max_position_embeddings"] = int(
+            _number(original, source, f"{field}.original_max_position_embeddings")
+        )
     if rope_type in ("linear", "llama3"):
         required = ("factor",) if rope_type == "linear" else _LLAMA3_KEYS
         missing = [f"{field}.{k}" for k in required if params.get(k) is None]
         if missing:
             raise ConfigError(f"{source}: rope type {rope_type!r} needs {', '.join(missing)}")
-        fields.update({k: float(params[k]) for k in required})
+        fields.update({k: _number(params[k], source, f"{field}.{k}") for k in required})
     if rope_type == "yarn":
         factor = params.get("factor")
         if factor is None:  # HF: the post-/pre-extension context ratio
@@ -205,10 +223,10 @@ def _scaling_fields(rope_type: str, cfg: dict, params: dict, field: str, source:
                     f"{source}: yarn rope without {field}.factor needs max_position_embeddings"
                 )
             factor = max_pos / fields["original_max_position_embeddings"]
-        fields["factor"] = float(factor)
+        fields["factor"] = _number(factor, source, f"{field}.factor")
         for key in _YARN_OPTIONAL_KEYS:
             if params.get(key) is not None:
-                fields[key] = float(params[key])
+                fields[key] = _number(params[key], source, f"{field}.{key}")
         fields["truncate"] = bool(params.get("truncate", True))
     return fields
 

@@ -365,12 +365,46 @@ class LLM:
             + params.max_tokens
             + (self.speculative.num_speculative_tokens if self.speculative else 0)
         )
-        limit = min(self.options.seq_capacity, self.config.max_position_embeddings)
+        limit = self.max_model_len
         if total > limit:
+            draft = self.draft_seq_capacity
+            where = (
+                " (the DSpark draft's KV cache, --max-draft-kv-cache-capacity)"
+                if draft is not None
+                and draft < min(self.options.seq_capacity, self.config.max_position_embeddings)
+                else ""
+            )
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the capacity "
-                f"of {limit} tokens; shorten the prompt or lower max_tokens"
+                f"of {limit} tokens{where}; shorten the prompt or lower max_tokens"
             )
+
+    @property
+    def draft_seq_capacity(self) -> int | None:
+        """Target positions one request may reach on a full-attention DSpark draft's pool.
+
+        The draft holds one context row per target position, plus one block (block_size
+        rows) reserved during its pass, so one request may reach the pool's rows minus one
+        block, and at most ``max_draft_kv_rows`` (the flag's number). None without a draft
+        or with a windowed draft (its per-request ring does not limit the length).
+        """
+        d = self.draft
+        if d is None or getattr(d, "ring", None) is not None:
+            return None
+        alloc = d.allocator
+        rows = alloc.num_pages * alloc.page_size - d.block_size
+        if self.options.max_draft_kv_rows is not None:
+            rows = min(rows, self.options.max_draft_kv_rows)
+        return rows
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + generated tokens (+ one verify block) one request may reach: the
+        smallest of the target's per-sequence KV capacity, max_position_embeddings and
+        :attr:`draft_seq_capacity` (vLLM's ``max_model_len``)."""
+        limit = min(self.options.seq_capacity, self.config.max_position_embeddings)
+        draft = self.draft_seq_capacity
+        return limit if draft is None else min(limit, draft)
 
     def new_request(
         self,

@@ -287,7 +287,7 @@ def check_prompt_chars(state: ServeState, n_chars: int, param: str) -> None:
     if n_chars > limit:
         raise bad_request(
             f"the prompt text has {n_chars} characters, more than the {limit} that can fit in "
-            f"the max input length of {state.llm.options.max_input_len} tokens; shorten it",
+            f"the max input length of {state.max_input_len} tokens; shorten it",
             param,
             "prompt_too_long",
         )
@@ -376,7 +376,7 @@ async def list_models(request: Request):
         created=state.created,
         root=model_root(state.config),  # the Hub id, or the folder's name: never its path
         max_model_len=state.max_model_len,
-        max_input_len=state.llm.options.max_input_len,
+        max_input_len=state.max_input_len,
         speculative=None
         if spec is None
         else {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},

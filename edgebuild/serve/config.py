@@ -135,8 +135,11 @@ class ServeConfig:
                 f"--max-draft-kv-cache-capacity must be >= 1 KV rows, got {draft_rows} (omit "
                 "it to give the draft as many rows as --max-kv-cache-capacity)"
             )
+        self._check_draft_flag()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_model_len is not None and self.backend == "torch":
+            self.check_model_len(self.max_kv_cache_capacity, "--max-kv-cache-capacity")
         if self.max_queued_requests < 0:
             raise ConfigError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.backend not in BACKENDS:
@@ -154,6 +157,32 @@ class ServeConfig:
             raise ConfigError(
                 f"model {self.model}: no such directory, and not a Hugging Face Hub id "
                 "(org/name[@revision])"
+            )
+
+    def _check_draft_flag(self) -> None:
+        """--max-draft-kv-cache-capacity with a local checkpoint (not a bundle, which may
+        carry a draft) and no --speculative-config: refused before loading anything."""
+        rows = self.max_draft_kv_cache_capacity
+        model = Path(self.model)
+        if rows is None or self.speculative_config is not None or not model.is_dir():
+            return
+        if not (model / "manifest.json").is_file():
+            raise ConfigError(
+                f"--max-draft-kv-cache-capacity {rows} sizes the DSpark draft's cache, but "
+                f"{self.model_name} runs without a draft; add --speculative-config or omit it"
+            )
+
+    def check_model_len(self, capacity: int, what: str) -> None:
+        """Refuse a --max-model-len above what one request can hold (as vLLM does, rather
+        than clamping it silently).
+
+        Raises:
+            ConfigError: naming --max-model-len and ``what`` (the limit and its source).
+        """
+        if self.max_model_len is not None and self.max_model_len > capacity:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} is more than one request can hold here: "
+                f"{capacity} tokens ({what}); lower --max-model-len or raise that limit"
             )
 
     @property
@@ -211,8 +240,15 @@ class ServeState:
 
     @property
     def max_model_len(self) -> int:
-        """Prompt + generated tokens one request may reach (the per-sequence KV limit)."""
-        return min(self.llm.options.seq_capacity, self.llm.config.max_position_embeddings)
+        """Prompt + generated tokens one request may reach (:attr:`LLM.max_model_len`: the
+        target's per-sequence KV limit, and a full-attention draft's pool)."""
+        return self.llm.max_model_len
+
+    @property
+    def max_input_len(self) -> int:
+        """Longest prompt in tokens accepted: ``--max-input-len``, and at most
+        max_model_len - 1 (a prompt leaves room for one generated token)."""
+        return min(self.llm.options.max_input_len, self.max_model_len - 1)
 
     @cached_property
     def prompt_char_limit(self) -> int:
@@ -225,7 +261,7 @@ class ServeState:
         """
         vocab = self.llm.tokenizer.get_vocab()
         longest = max((len(k) for k in vocab), default=0)
-        return self.llm.options.max_input_len * max(MIN_CHARS_PER_TOKEN, longest)
+        return self.max_input_len * max(MIN_CHARS_PER_TOKEN, longest)
 
     @property
     def sampling_defaults(self) -> dict:
@@ -321,4 +357,15 @@ def load_state(config: ServeConfig, plan: ServePlan | None = None) -> ServeState
             f"--max-draft-kv-cache-capacity {draft_rows} sizes the DSpark draft's cache, but "
             f"{config.model_name} runs without a draft; add --speculative-config or omit it"
         )
+    config.check_model_len(llm.max_model_len, _model_len_source(llm))
     return ServeState.from_llm(config, llm, plan.backend)
+
+
+def _model_len_source(llm: LLM) -> str:
+    """What bounds one request of `llm` (:attr:`LLM.max_model_len`), for messages."""
+    draft = llm.draft_seq_capacity
+    if draft is not None and draft == llm.max_model_len:
+        return "the DSpark draft's KV cache, --max-draft-kv-cache-capacity"
+    if llm.config.max_position_embeddings == llm.max_model_len:
+        return "the model's max_position_embeddings"
+    return "the KV cache per sequence, --max-kv-cache-capacity"

@@ -445,13 +445,35 @@ class Scheduler:
         return out
 
     def _make_room(self) -> None:
-        """Preempt the latest arrivals until the batch's next step fits the free pages."""
-        while len(self._active) > 1:
+        """Preempt the latest arrivals until the batch's next step fits the free pages; a
+        request that does not fit even alone is ended cleanly (:meth:`_out_of_room`)."""
+        while self._active:
             free_t, free_d = self.llm.free_pages()
             need_t, need_d = self._step_pages(self._active)
             if need_t <= free_t and need_d <= free_d:
                 return
+            if len(self._active) == 1:
+                self._out_of_room(self._active[0], need_d > free_d)
+                return
             self._preempt(max(self._active, key=lambda a: a.ticket.arrival))
+
+    def _out_of_room(self, a: _Active, draft: bool) -> None:
+        """End a lone request whose next step does not fit a KV pool (admission keeps
+        prompt + max_tokens within :attr:`LLM.max_model_len`, so this is a safety net, never
+        a 500 mid-request): with output, it finishes with ``finish_reason`` "length" (vLLM at
+        max_model_len); still in prefill, it gets the 400 of a prompt too long."""
+        pool = "--max-draft-kv-cache-capacity" if draft else "--max-kv-cache-capacity"
+        log.warning("request %s: its next step does not fit the KV pool (%s); ended",
+                    a.ticket.request_id, pool)  # fmt: skip
+        st = a.state
+        if st.anchor is None:
+            msg = f"the prompt ({len(st.prompt_ids)} tokens) does not fit the KV pool; raise {pool}"
+            self._end(a, Event("error", status=400, message=msg), "error")
+            return
+        st.stopper.finish_reason = "length"
+        delta = next_delta(st.stopper, a.sent)
+        a.sent += delta
+        self._end(a, self._done_event(a, delta), "length")
 
     def _preempt(self, a: _Active) -> None:
         """Free a running request's pages and put it back at the front of the queue."""

@@ -1,0 +1,5 @@
+"""`python -m edgebuild` = the `edgebuild` command."""
+
+from edgebuild.cli import main
+
+main(prog_name="edgebuild")
