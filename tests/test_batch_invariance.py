@@ -27,7 +27,13 @@ from edgebuild.runtime.sampling import SamplingParams
 from tests.conftest import ROOT
 
 DRAFT = ROOT / "edgebuild" / "data" / "smollm2-135m-dspark"
-SPEC = {"method": "dspark", "model": str(DRAFT), "num_speculative_tokens": 7}
+# fixed lengths: every step verifies 7 drafts, so the verify rows these tests compare always run
+SPEC = {
+    "method": "dspark",
+    "model": str(DRAFT),
+    "num_speculative_tokens": 7,
+    "confidence_scheduling": False,
+}
 
 
 @pytest.fixture

@@ -17,7 +17,13 @@ from edgebuild.runtime.sampling import SamplingParams
 from tests.conftest import ROOT
 
 DRAFT = ROOT / "edgebuild" / "data" / "smollm2-135m-dspark"
-SPEC = {"method": "dspark", "model": str(DRAFT), "num_speculative_tokens": 7}
+# fixed lengths (scheduling is the default): the tau floor below is the draft's, not the schedule's
+SPEC = {
+    "method": "dspark",
+    "model": str(DRAFT),
+    "num_speculative_tokens": 7,
+    "confidence_scheduling": False,
+}
 COLD = PrefillConfig(enable_chunked_prefill=False, enable_prefix_caching=False)
 WARM = PrefillConfig(prefill_chunk=128, max_num_batched_tokens=400)
 SYSTEM = " ".join(
