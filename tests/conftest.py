@@ -41,6 +41,20 @@ def _examples_lock(name: str):
     return FileLock(str(ROOT / "examples" / f".{name}.lock"))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _give_memory_back_after_each_module():
+    """After each test module: collect the models it left in reference cycles and hand the
+    freed heap back to the OS (glibc ``malloc_trim``). Without it a worker's RSS only grows
+    from file to file (13.6 GB seen for one of two xdist workers, OOM-killed on 24 GiB)."""
+    yield
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _parity_default_dtype_fp32():
     """Parity tests compare with transformers in fp32, so in this suite the runtime's default
