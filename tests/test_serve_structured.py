@@ -36,6 +36,7 @@ class Person(pydantic.BaseModel):
 @pytest.fixture(scope="module")
 def dspark_llm(smollm2_dir):
     spec = {"method": "dspark", "model": str(DRAFT), "num_speculative_tokens": 7}
+    spec["confidence_scheduling"] = False  # fixed lengths: every step drafts (the tests check it)
     return LLM(smollm2_dir, speculative=spec)
 
 
