@@ -268,9 +268,9 @@ class LLM:
     def _profile_shape(self, max_batch: int) -> tuple[int, int]:
         """(sequences, context rows) of the start-up step-cost profile that both KV pools hold
         in whole pages: the most sequences (up to ``max_batch``), then the longest context of
-        128, 64, 32, 16 or 8 rows (at most the engines' ``max_input_len``). Each sequence holds its context plus a verify of n + 1
-        drafts in the target's pool, and its context plus two blocks in the draft's (or one
-        ring for a sliding-window draft). Never more than the pools hold, so a small
+        128, 64, 32, 16 or 8 rows (at most the engines' ``max_input_len``). Each sequence
+        holds its context plus a verify of n + 1 drafts in the target's pool, and its context
+        plus two blocks in the draft's (or one ring for a sliding-window draft). Never more than the pools hold, so a small
         ``--max-kv-cache-capacity`` or ``--max-draft-kv-cache-capacity`` cannot fail the
         start-up; at worst one sequence of 8 rows is profiled."""
         t, d = self.target.allocator, self.draft.allocator
