@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgebuild.ops import int4_kernel
+
 MAX_INVARIANT_ROWS = 64  # rows per oneDNN call (checked row-invariant at 1 and 2 threads)
 QUANT_MODES = ("int8", "int4")  # weight-only modes of PackedLinear (opt-in: `--quant ...`)
 INT4_GROUP_SIZE = 32  # input features per int4 scale / zero (onnxruntime-genai's block size)
@@ -62,9 +64,11 @@ class PackedLinear:
             run by ``torch.ops.aten._weight_int8pack_mm`` (half the bytes of bf16; outputs
             differ from the unquantized model's, so it is opt-in); or ``"int4"``: weight-only
             asymmetric 4-bit, one scale and zero per ``INT4_GROUP_SIZE`` input features of each
-            output feature (:func:`quantize_int4`), run by
-            ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a quarter of bf16's bytes; its result
-            for a row does not depend on the rows beside it, so DSpark equals int4 target-only).
+            output feature (:func:`quantize_int4`), run for bf16 inputs on CPUs with AMX by
+            edgebuild's own kernel (:mod:`edgebuild.ops.int4_kernel`: an 8-row verify costs
+            about what one row does), else by ``torch.ops.aten._weight_int4pack_mm_for_cpu``
+            (a quarter of bf16's bytes). Both give a row the same bits whatever the rows
+            beside it, so DSpark equals int4 target-only.
 
     Calling it maps ``x [..., in]`` to ``[..., sum(out_i)]`` in x's dtype, the concatenation
     of each module's output, in order (equal within rounding to ``torch.cat([m(x) ...])``).
@@ -107,10 +111,15 @@ class PackedLinear:
             q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
             self.weight, self.scales, self.packed = q.to(torch.int8).contiguous(), scale, True
             return
+        self.int4_amx = False
         if quant == "int4":
             codes, self.scales = quantize_int4(fused)
-            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             self.packed = True
+            if fused.dtype == torch.bfloat16 and int4_kernel.available():
+                self.weight, self._amx_scales = int4_kernel.pack(codes, self.scales)
+                self.int4_amx = True  # edgebuild's AMX kernel (ops/int4_kernel.py)
+                return
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             return
         self.packed = packing_available(fused.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(fused, 1) if self.packed else fused
@@ -147,6 +156,11 @@ class PackedLinear:
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.quant == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self._scales(x2.dtype))
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        if self.int4_amx:
+            y = int4_kernel.linear(x2, self.weight, self._amx_scales)
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.quant == "int4":
             sz = self._scales(x2.dtype)

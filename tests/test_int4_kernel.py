@@ -1,0 +1,121 @@
+"""edgebuild's AMX int4 kernel (edgebuild/ops/int4_kernel.py, ops/kernels/int4_amx.cpp).
+
+Oracles: the packed layout is unpacked here in plain Python and compared with the codes it
+came from; the kernel's product is compared with x @ dequantize_int4(codes).T in fp64; its rows
+are compared bit for bit with 1-row calls. The kernel tests skip where the CPU has no AMX-BF16
+(the fallback, torch's kernel, is covered by tests/test_batch_invariance.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgebuild.errors import MissingDependencyError
+from edgebuild.ops import int4_kernel
+from edgebuild.ops.linear import PackedLinear, dequantize_int4, quantize_int4
+
+needs_amx = pytest.mark.skipif(
+    int4_kernel._why_not() is not None, reason=f"no AMX int4 kernel here: {int4_kernel._why_not()}"
+)
+
+
+def unpack(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Codes [n, k] back from the kernel layout, element by element (the C++ header's words)."""
+    codes = torch.zeros(w.shape[0] * 16, k, dtype=torch.int64)
+    wb = w.tolist()
+    for b in range(w.shape[0]):
+        for q in range(k // 4):
+            for i in range(32):
+                byte = wb[b][q][i]
+                col, r = 16 * b + i // 2, i % 2
+                codes[col, 4 * q + r] = byte & 0xF
+                codes[col, 4 * q + 2 + r] = byte >> 4
+    return codes[:n]
+
+
+def test_pack_layout_round_trips_the_codes_and_scales():
+    torch.manual_seed(0)
+    n, k = 20, 64  # not a whole number of 16-column blocks: 12 padding columns
+    codes, sz = quantize_int4(torch.randn(n, k))
+    w, sc = int4_kernel.pack(codes, sz)
+    assert w.shape == (2, k // 4, 32) and w.dtype == torch.uint8
+    assert sc.shape == (2, k // 32, 2, 16) and sc.dtype == torch.bfloat16
+    assert torch.equal(unpack(w, n, k), codes.long())
+    scale = sc[:, :, 0, :].permute(0, 2, 1).reshape(32, k // 32)[:n]  # [n, groups]
+    lo = sc[:, :, 1, :].permute(0, 2, 1).reshape(32, k // 32)[:n]
+    s, z = sz[..., 0].t(), sz[..., 1].t()
+    assert torch.equal(scale, s.to(torch.bfloat16))
+    assert torch.equal(lo, (z - 8 * s).to(torch.bfloat16))
+    assert not w[1, :, 8:].any() and not sc[1, :, :, 4:].any()  # padding columns are zero
+
+
+def _reference(x: torch.Tensor, codes, sz) -> torch.Tensor:
+    """x @ W.T in fp64 with W as the kernel reads it: code * bf16(scale) + bf16(lo)."""
+    s = sz[..., 0].t().to(torch.bfloat16).double()
+    lo = (sz[..., 1].t() - 8 * sz[..., 0].t()).to(torch.bfloat16).double()
+    c = codes.double().reshape(codes.shape[0], -1, 32)
+    w = (c * s[..., None] + lo[..., None]).reshape(codes.shape)
+    return x.double() @ w.t()
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(48, 64), (20, 96), (960, 576), (576, 1536)])
+def test_kernel_equals_the_dequantized_reference_and_is_row_invariant(n, k):
+    assert int4_kernel.available()
+    torch.manual_seed(1)
+    codes, sz = quantize_int4(torch.randn(n, k) * 0.05)
+    w, sc = int4_kernel.pack(codes, sz)
+    x = torch.randn(40, k).to(torch.bfloat16)
+    full = int4_kernel.linear(x, w, sc)[:, :n]
+    ref = _reference(x, codes, sz)
+    # fp32 accumulation of exact products, then one bf16 rounding (half an ulp: <= 2^-8 relative)
+    tol = 2.0**-8 * ref.abs() + 1e-4 * ref.abs().amax()
+    assert ((full.double() - ref).abs() <= tol).all()
+    for rows in (1, 2, 7, 16, 17, 33):  # a row's bits never depend on the rows beside it
+        part = int4_kernel.linear(x[:rows].contiguous(), w, sc)[:, :n]
+        assert torch.equal(part, full[:rows]), rows
+    assert int4_kernel.linear(x[:0], w, sc).shape == (0, w.shape[0] * 16)
+
+
+@needs_amx
+def test_packed_linear_uses_the_kernel_with_bias_and_two_threads():
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(64, 40).to(torch.bfloat16)
+    packed = PackedLinear([lin], quant="int4")
+    assert packed.int4_amx
+    x = torch.randn(3, 5, 64).to(torch.bfloat16)
+    codes, sz = quantize_int4(lin.weight)
+    ref = x.float() @ dequantize_int4(codes, sz).t() + lin.bias.float()
+    y = packed(x)
+    assert y.shape == (3, 5, 40) and y.dtype == torch.bfloat16
+    assert (y.float() - ref).abs().max().item() < 0.05
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(packed(x), y)  # the column split across threads changes no bits
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_mode_torch_and_bad_modes(monkeypatch):
+    monkeypatch.setenv(int4_kernel.ENV, "torch")
+    int4_kernel._load.cache_clear()
+    try:
+        assert not int4_kernel.available()
+        assert not PackedLinear([torch.nn.Linear(64, 16).to(torch.bfloat16)], "int4").int4_amx
+        monkeypatch.setenv(int4_kernel.ENV, "fast")
+        int4_kernel._load.cache_clear()
+        with pytest.raises(MissingDependencyError, match="EDGEBUILD_INT4_KERNEL='fast'"):
+            int4_kernel.available()
+        monkeypatch.setenv(int4_kernel.ENV, "amx")
+        monkeypatch.setattr(int4_kernel, "_cpu_flags", lambda: {"avx2"})
+        int4_kernel._load.cache_clear()
+        with pytest.raises(MissingDependencyError, match="the CPU lacks amx_bf16"):
+            int4_kernel.available()
+        monkeypatch.setenv(int4_kernel.ENV, "auto")
+        int4_kernel._load.cache_clear()
+        assert not int4_kernel.available()  # auto falls back to torch's kernel
+    finally:
+        monkeypatch.undo()
+        int4_kernel._load.cache_clear()
