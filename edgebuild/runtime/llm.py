@@ -218,6 +218,7 @@ class LLM:
         Raises:
             ConfigError: no draft is loaded.
         """
+        from edgebuild.runtime.kv_cache import RingSequence
         from edgebuild.runtime.spec_schedule import (
             ConfidenceScheduler,
             profile_step_costs,
@@ -251,9 +252,20 @@ class LLM:
                 for s, k in zip(ss, lens, strict=True):
                     self.target.rollback(s, k)
 
+            # A drafting step first extends the draft's context by the rows the last verify
+            # committed (about tau of them), then drafts: the profiled pass pays both (two
+            # context rows, rolled back after), as the step it predicts does.
+            context_rows = out.taps[0][-2:].clone()
+
             def draft_pass(b: int, drafted: int) -> None:
+                ds = dseqs[:b]
+                lengths = [d.length for d in ds]
                 gens = [torch.Generator() for _ in range(b)]
-                self.draft.propose(dseqs[:b], [anchor] * b, [drafted] * b, [params] * b, gens)
+                self.draft.update_context(ds, [context_rows] * b)
+                self.draft.propose(ds, [anchor] * b, [drafted] * b, [params] * b, gens)
+                for d, n in zip(ds, lengths, strict=True):
+                    if not isinstance(d, RingSequence):  # a ring keeps a fixed set of pages
+                        self.draft.allocator.truncate(d, n)
 
             costs = profile_step_costs(verify_pass, draft_pass, batch, n, repeats)
         finally:

@@ -224,8 +224,9 @@ def profile_step_costs(
     Args:
         verify_pass: ``verify_pass(rows)`` runs one target pass with ``rows[b]`` new rows of
             sequence b (and rolls them back).
-        draft_pass: ``draft_pass(batch, drafted)`` runs one draft pass drafting ``drafted``
-            rows for each of ``batch`` sequences.
+        draft_pass: ``draft_pass(batch, drafted)`` runs what a drafting step adds for each of
+            ``batch`` sequences: the draft's context update (the last verify's committed
+            rows) and one draft pass drafting ``drafted`` rows.
         max_batch: the largest batch the server steps (grid: powers of two up to it).
         num_speculative_tokens: n; widths 1, 2, 3, 5, n + 1 (those <= n + 1).
         repeats: timings per grid point (the fastest is kept: the least disturbed).
