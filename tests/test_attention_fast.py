@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edgebuild.ops import attention_kernel
 from edgebuild.ops.attention import AttentionSpec, paged_attention
 from edgebuild.ops.attention_fast import DensePlan, paged_attention_planned
 from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
 
-D, PAGE = 16, 4
+D, PAGE = 16, 4  # D a multiple of 16: the C++ decode kernel takes these calls
 
 
 def setup(past, lengths, hq, hkv, seed=0, num_pages=64):
@@ -44,9 +45,15 @@ def setup(past, lengths, hq, hkv, seed=0, num_pages=64):
         ([3, 8], [0, 2], True, True, 0, 4, 2, False),  # an idle sequence
     ],
 )
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp-kernel", "torch-path"])
 def test_planned_attention_equals_reference(
-    past, lengths, causal, write_kv, window, hq, hkv, qk_norm
+    past, lengths, causal, write_kv, window, hq, hkv, qk_norm, kernel, monkeypatch
 ):
+    """Both decode paths (edgebuild's C++ kernel and the torch path) against the golden op."""
+    if kernel and not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    if not kernel:
+        monkeypatch.setattr(attention_kernel, "available", lambda: False)
     qkv, cache, table, positions = setup(past, lengths, hq, hkv)
     rope = RopeScaling(
         rope_type="yarn", rope_theta=1e4, factor=2.0, original_max_position_embeddings=32
@@ -87,3 +94,19 @@ def test_plan_refuses_a_page_table_that_is_too_small():
             True,
             True,
         )
+
+
+def test_attention_kernel_mode_torch_and_bad_modes(monkeypatch):
+    from edgebuild.errors import MissingDependencyError
+
+    try:
+        monkeypatch.setenv(attention_kernel.ENV, "torch")
+        attention_kernel._load.cache_clear()
+        assert not attention_kernel.available()
+        monkeypatch.setenv(attention_kernel.ENV, "fastest")
+        attention_kernel._load.cache_clear()
+        with pytest.raises(MissingDependencyError, match="EDGEBUILD_ATTENTION_KERNEL='fastest'"):
+            attention_kernel.available()
+    finally:
+        monkeypatch.undo()
+        attention_kernel._load.cache_clear()

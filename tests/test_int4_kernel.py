@@ -109,7 +109,7 @@ def test_mode_torch_and_bad_modes(monkeypatch):
         with pytest.raises(MissingDependencyError, match="EDGEBUILD_INT4_KERNEL='fast'"):
             int4_kernel.available()
         monkeypatch.setenv(int4_kernel.ENV, "amx")
-        monkeypatch.setattr(int4_kernel, "_cpu_flags", lambda: {"avx2"})
+        monkeypatch.setattr(int4_kernel.cpu_build, "cpu_flags", lambda: {"avx2"})
         int4_kernel._load.cache_clear()
         with pytest.raises(MissingDependencyError, match="the CPU lacks amx_bf16"):
             int4_kernel.available()

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edgebuild.ops import attention_kernel
 from edgebuild.ops.attention import AttentionSpec
 from edgebuild.ops.norm import rms_norm
 from edgebuild.ops.rope import apply_rope, check_positions, rotate_with
@@ -278,9 +279,11 @@ def _decode_step(
 
     q and k are normalized and rotated together (the same formula as
     :func:`edgebuild.ops.rope.apply_rope`, with the step's cos/sin rows built once), K/V are
-    written and read back with one scatter and one gather, and every valid row runs as its own
-    one-query problem ``[R, Hq, 1, D]`` over the sequence's key columns (padded to a multiple
-    of KEY_ALIGN and masked past the row), in the model dtype (fp32 softmax inside the kernel).
+    written with one scatter, and every valid row runs as its own one-query problem: by
+    edgebuild's C++ kernel where it builds (:mod:`edgebuild.ops.attention_kernel`: K/V read in
+    place from the pages, fp32 math), else by :func:`_sdpa_rows` (the pages gathered, one
+    ``[R, Hq, 1, D]`` SDPA over key columns padded to a multiple of KEY_ALIGN and masked past
+    the row, in the model dtype with fp32 softmax inside). Both are row-invariant.
     """
     bsz, rows, width, d = heads.shape
     hkv = (width - hq) // 2
@@ -303,8 +306,31 @@ def _decode_step(
         return out
     new = torch.stack([qk[:, :, hq:], heads[:, :, hq + hkv :]], dim=2)  # [B, S, 2, Hkv, D]
     kv_cache[plan.write_pages, :, :, plan.write_offsets, :] = new[wb, wi].to(kv_cache.dtype)
-    kt, vt = _gather_pages(kv_cache, plan, dtype)  # [B, Hkv, T, D] each
     mask = plan.mask_for(sliding_window)  # [B, S, T]
+    if attention_kernel.usable(dtype, kv_cache, d):  # K/V read in place, fp32 (row-invariant)
+        key = ("rows_mask", sliding_window)
+        row_mask = plan._memo.get(key)
+        if row_mask is None:
+            row_mask = plan._memo[key] = mask[wb, wi].contiguous()  # [R, T]
+        qr = qk[wb, wi, :hq]  # [R, Hq, D]
+        o = attention_kernel.decode_attention(qr, kv_cache, plan.page_table, wb, row_mask, scale)
+        if wb.numel() == bsz * rows:  # every row is valid (a lone sequence's decode / verify)
+            return o.view(bsz, rows, hq * d)
+        out[wb, wi] = o
+        return out
+    return _sdpa_rows(qk, kv_cache, plan, mask, out, hq, scale)
+
+
+def _sdpa_rows(
+    qk: Tensor, kv_cache: Tensor, plan: DensePlan, mask: Tensor, out: Tensor, hq: int,
+    scale: float,
+) -> Tensor:  # fmt: skip
+    """The torch path of :func:`_decode_step` (no C++ kernel here): the pages gathered densely,
+    each valid row one ``scaled_dot_product_attention`` query; fills and returns ``out``."""
+    bsz, rows = out.shape[:2]
+    d, dtype, wb, wi = qk.shape[-1], out.dtype, plan.write_b, plan.write_i
+    hkv = qk.shape[2] - hq
+    kt, vt = _gather_pages(kv_cache, plan, dtype)  # [B, Hkv, T, D] each
     if bsz == 1:
         n = wb.numel()
         kr, vr = kt.expand(n, -1, -1, -1), vt.expand(n, -1, -1, -1)

@@ -8,9 +8,8 @@ up to 16 rows by it with one ``TDPBF16PS``: 8 rows cost ~1.3x one row, and one r
 faster than torch's kernel. Its result for a row does not depend on the other rows of the call
 (a tile row depends only on its own input row), so DSpark stays bit-exact against target-only.
 
-The C++ source is compiled at first use with ``torch.utils.cpp_extension`` (g++ and ninja;
-~10 s once, then cached per source and torch version under ``$EDGEBUILD_CACHE/kernels`` or
-``~/.cache/edgebuild/kernels``). ``EDGEBUILD_INT4_KERNEL`` picks the kernel: ``auto`` (the
+The C++ source is compiled at first use (:mod:`edgebuild.ops.cpu_build`: g++ and ninja, ~10 s
+once, then cached). ``EDGEBUILD_INT4_KERNEL`` picks the kernel: ``auto`` (the
 default: this one where the CPU has AMX-BF16 and it builds, else torch's, with one log line
 saying why), ``amx`` (this one or an error) or ``torch`` (always torch's).
 
@@ -23,17 +22,16 @@ bf16 inputs.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import platform
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
 from edgebuild.errors import MissingDependencyError
+from edgebuild.ops import cpu_build
 
 log = logging.getLogger("edgebuild.runtime")
 
@@ -45,32 +43,11 @@ ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-til
 # (built only where /proc/cpuinfo lists these: see _why_not)
 
 
-def cache_dir() -> Path:
-    """Where compiled kernels live: ``$EDGEBUILD_CACHE/kernels``, else
-    ``$XDG_CACHE_HOME/edgebuild/kernels``, else ``~/.cache/edgebuild/kernels``."""
-    root = os.environ.get("EDGEBUILD_CACHE")
-    if root:
-        return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "edgebuild" / "kernels"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def _why_not() -> str | None:
     """None when the AMX kernel can be tried here, else why not (one line)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 Linux host ({platform.system()} {platform.machine()})"
-    missing = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} - _cpu_flags()
+    missing = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} - cpu_build.cpu_flags()
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
     if shutil.which("g++") is None and shutil.which("c++") is None:
@@ -90,13 +67,11 @@ def _load() -> bool:
     why = _why_not()
     if why is None:
         try:
-            _build()
+            cpu_build.build_and_load(SOURCE, ISA_FLAGS)
             if not torch.ops.edgebuild_cpu.int4_available():
                 why = "the kernel refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
         except Exception as exc:  # a compiler or torch extension failure: fall back
-            lines = str(exc).strip().splitlines() or [type(exc).__name__]
-            first = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
-            why = f"its build failed ({first.strip()[:300]})"
+            why = f"its build failed ({cpu_build.first_error(exc)})"
     if why is None:
         log.info("int4: edgebuild's AMX kernel (row-invariant, %s)", SOURCE.name)
         return True
@@ -104,28 +79,6 @@ def _load() -> bool:
         raise MissingDependencyError(f"{ENV}=amx: the AMX int4 kernel cannot run here: {why}")
     log.info("int4: torch's _weight_int4pack_mm_for_cpu (edgebuild's AMX kernel: %s)", why)
     return False
-
-
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
-    name = f"edgebuild_int4_{tag}"
-    out = cache_dir() / name
-    out.mkdir(parents=True, exist_ok=True)
-    path = os.environ.get("PATH", "")
-    bindir = str(Path(sys.executable).parent)  # the venv's ninja, when the venv is not active
-    os.environ["PATH"] = (
-        bindir + os.pathsep + path if bindir not in path.split(os.pathsep) else path
-    )
-    try:
-        cpp_extension.load(
-            name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *ISA_FLAGS], build_directory=str(out),
-            is_python_module=False, verbose=False,
-        )  # fmt: skip
-    finally:
-        os.environ["PATH"] = path
 
 
 def available() -> bool:

@@ -243,6 +243,9 @@ class LLM:
                 ids = torch.arange(ctx, dtype=torch.int64) % self.config.vocab_size
                 out = self.target.forward([seq], [ids], [[ctx - 1]], taps)
                 self.draft.update_context([dseq], [out.taps[0].clone()])
+                # engines (TensorRT, onnxruntime) run pending context with the next block:
+                # run it now, so each profiled draft pass carries only its own two rows
+                self.draft.propose([dseq], [int(ids[-1])], [1], [params], [torch.Generator()])
             anchor = int(ids[-1])
 
             def verify_pass(lens: list[int]) -> None:

@@ -1,0 +1,111 @@
+"""edgebuild's C++ decode / verify attention for the CPU runtime (``kernels/decode_attention.cpp``).
+
+Why: a decode step's attention through torch ops (gather the pages into a dense copy, build
+the per-row problem, ``scaled_dot_product_attention``, scatter the output back) cost ~200 us
+a layer for SmolLM2 at a 64-row context, a quarter of an int4 decode step, almost all of it
+per-op overhead (bench/README.md). The kernel reads K/V in place from the pages and runs
+each (row, head) alone in fp32 (scores, softmax, weighted sum; one rounding to the compute
+dtype at the end), so a row's bits do not depend on the other rows of the pass: DSpark's
+verify rows equal target-only's decode rows, as with the torch path it replaces.
+
+Built at first use by :mod:`edgebuild.ops.cpu_build` (``-march=native``; g++ and ninja).
+``EDGEBUILD_ATTENTION_KERNEL``: ``auto`` (the default: this kernel where it builds, else the
+torch path, with one log line saying why) or ``torch`` (always the torch path).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from edgebuild.errors import MissingDependencyError
+from edgebuild.ops import cpu_build
+
+log = logging.getLogger("edgebuild.runtime")
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "decode_attention.cpp"
+ENV = "EDGEBUILD_ATTENTION_KERNEL"
+FLAGS = ["-march=native"]
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _load() -> bool:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "torch"):
+        raise MissingDependencyError(f"{ENV}={mode!r}: use auto or torch")
+    if mode == "torch":
+        return False
+    why = None
+    if platform.system() != "Linux":
+        why = f"not a Linux host ({platform.system()})"
+    elif shutil.which("g++") is None and shutil.which("c++") is None:
+        why = "no C++ compiler (g++) on PATH"
+    else:
+        try:
+            cpu_build.build_and_load(SOURCE, FLAGS)
+        except Exception as exc:  # a compiler or torch extension failure: fall back
+            why = f"its build failed ({cpu_build.first_error(exc)})"
+    if why is None:
+        log.info("attention: edgebuild's decode kernel (%s)", SOURCE.name)
+        return True
+    log.info("attention: the torch decode path (edgebuild's kernel: %s)", why)
+    return False
+
+
+def available() -> bool:
+    """Whether :func:`decode_attention` runs here (``EDGEBUILD_ATTENTION_KERNEL``).
+
+    Raises:
+        MissingDependencyError: ``EDGEBUILD_ATTENTION_KERNEL`` is not auto / torch.
+    """
+    return _load()
+
+
+def usable(q_dtype: torch.dtype, cache: torch.Tensor, head_dim: int) -> bool:
+    """True when the kernel takes this call: bf16 / fp32, the cache in the compute dtype,
+    contiguous, and a head size that is a multiple of 16."""
+    return (
+        q_dtype in DTYPES
+        and cache.dtype == q_dtype
+        and cache.is_contiguous()
+        and head_dim % 16 == 0
+        and available()
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    row_b: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of R new rows over their sequences' pages.
+
+    Args:
+        q: [R, Hq, D] the rows' queries (normalized and rotated), bf16 or fp32.
+        cache: [num_pages, 2, Hkv, page_size, D] the KV pool in q's dtype (the rows' own K/V
+            already written).
+        page_table: int64 [B, pages] physical pages of each sequence.
+        row_b: int64 [R] the sequence of each row.
+        mask: bool [R, T] the key columns each row sees (column t = slot t of its sequence).
+        scale: the softmax scale (usually D ** -0.5).
+
+    Returns:
+        [R, Hq * D] in q's dtype.
+
+    Raises:
+        RuntimeError: shapes or dtypes outside the above (the message names the argument).
+    """
+    return torch.ops.edgebuild_attn.decode_attention(
+        q.contiguous(), cache, page_table.long().contiguous(), row_b.long(), mask.contiguous(),
+        float(scale),
+    )  # fmt: skip

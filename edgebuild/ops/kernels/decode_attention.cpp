@@ -1,0 +1,145 @@
+// Decode / verify attention over the paged KV cache for the CPU runtime
+// (edgebuild.ops.attention_kernel; used by ops/attention_fast.py's row-invariant steps).
+//
+// For each valid new row r (sequence row_b[r]) and query head h (KV head h / (Hq / Hkv)):
+//   s_t = scale * q[r, h] . K[t]   for every key column t with mask[r, t]
+//   out[r, h] = sum_t softmax(s)_t V[t]
+// K[t] / V[t] are read in place from the pages (page_table[b, t / page_size], slot
+// t % page_size): nothing is gathered. Scores, softmax and the weighted sum run in fp32; the
+// output is rounded once to q's dtype. Every (row, head) is computed alone by the same loop
+// whatever the other rows, heads or threads of the call, so a row's bits never depend on the
+// rows beside it (a 1-row decode equals row i of a verify pass, which keeps greedy DSpark
+// equal to target-only).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // partial sums of a dot product (vectorized by the compiler)
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) dst[j] = to_f32(src[j]);
+}
+
+// q . k over d (a multiple of kLanes), lanes summed in a fixed order.
+inline float dot(const float* q, const float* k, int64_t d) {
+  float acc[kLanes] = {0};
+  for (int64_t j = 0; j < d; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += q[j + l] * k[j + l];
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+template <typename T>
+void run(const T* q, const T* cache, const int64_t* table, int64_t npages, const int64_t* row_b,
+         const bool* mask, T* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t ps,
+         int64_t keys, float scale) {
+  const int64_t group = Hq / Hkv;
+  // cache [P, 2, Hkv, ps, D]
+  const int64_t s_head = ps * D, s_kv = Hkv * s_head, s_page = 2 * s_kv;
+  at::parallel_for(0, R * Hq, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(D), kf(D), acc(D), scores(keys);
+    std::vector<int64_t> idx(keys);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / Hq, h = i % Hq, kvh = h / group, b = row_b[r];
+      load_row(q + (r * Hq + h) * D, qf.data(), D);
+      const bool* m = mask + r * keys;
+      const int64_t* pages = table + b * npages;
+      int64_t n = 0;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < keys; ++t) {
+        if (!m[t]) continue;
+        const int64_t page = t / ps;
+        TORCH_CHECK(page < npages, "decode_attention: key ", t, " past the page table");
+        const int64_t at = pages[page] * s_page + kvh * s_head + (t % ps) * D;
+        load_row(cache + at, kf.data(), D);
+        const float s = dot(qf.data(), kf.data(), D) * scale;
+        scores[n] = s;
+        idx[n++] = at;
+        top = s > top ? s : top;
+      }
+      T* o = out + (r * Hq + h) * D;
+      if (n == 0) {  // a row that sees nothing (padding): zero, as the torch path gives it
+        for (int64_t j = 0; j < D; ++j) o[j] = static_cast<T>(0.f);
+        continue;
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] = std::exp(scores[j] - top);
+        total += scores[j];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        load_row(cache + idx[j] + s_kv, kf.data(), D);  // V: the K slot + one K/V half
+        const float p = scores[j];
+        for (int64_t e = 0; e < D; ++e) acc[e] += p * kf[e];
+      }
+      const float inv = 1.f / total;
+      for (int64_t e = 0; e < D; ++e) o[e] = static_cast<T>(acc[e] * inv);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
+                            const at::Tensor& page_table, const at::Tensor& row_b,
+                            const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be [R, Hq, D]");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.is_contiguous() &&
+                  cache.scalar_type() == q.scalar_type(),
+              "decode_attention: cache must be [P, 2, Hkv, page_size, D] in q's dtype");
+  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = cache.size(2);
+  TORCH_CHECK(cache.size(4) == D && Hkv > 0 && Hq % Hkv == 0 && D % kLanes == 0,
+              "decode_attention: head sizes do not match");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong &&
+                  page_table.is_contiguous(),
+              "decode_attention: page_table must be int64 [B, pages]");
+  TORCH_CHECK(row_b.dim() == 1 && row_b.size(0) == R && row_b.scalar_type() == at::kLong,
+              "decode_attention: row_b must be int64 [R]");
+  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == R && mask.scalar_type() == at::kBool &&
+                  mask.is_contiguous(),
+              "decode_attention: mask must be bool [R, T]");
+  auto out = at::empty({R, Hq, D}, q.options());
+  if (R == 0) return out.view({R, Hq * D});
+  const int64_t B = page_table.size(0);
+  const int64_t* rb = row_b.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(rb[r] >= 0 && rb[r] < B, "decode_attention: row_b");
+  const int64_t ps = cache.size(3), keys = mask.size(1), npages = page_table.size(1);
+  if (q.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), cache.data_ptr<c10::BFloat16>(),
+                       page_table.data_ptr<int64_t>(), npages, rb, mask.data_ptr<bool>(),
+                       out.data_ptr<c10::BFloat16>(), R, Hq, Hkv, D, ps, keys,
+                       static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: bf16 or fp32 only");
+    run<float>(q.data_ptr<float>(), cache.data_ptr<float>(), page_table.data_ptr<int64_t>(),
+               npages, rb, mask.data_ptr<bool>(), out.data_ptr<float>(), R, Hq, Hkv, D, ps, keys,
+               static_cast<float>(scale));
+  }
+  return out.view({R, Hq * D});
+}
+
+}  // namespace
+
+TORCH_LIBRARY(edgebuild_attn, m) {
+  m.def("decode_attention(Tensor q, Tensor cache, Tensor page_table, Tensor row_b, Tensor mask, "
+        "float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) { m.impl("decode_attention", &decode_attention); }
