@@ -460,6 +460,9 @@ def main() -> None:
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.perf_counter() - t0, 1),
         "skipped": skipped,
+        "ortgenai_versions": next(
+            (e.worker.versions for e in engines if isinstance(e, OrtGenaiProc)), None
+        ),
         "results": results,
         "step_costs_ms": steps,
     }
