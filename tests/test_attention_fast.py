@@ -110,3 +110,23 @@ def test_attention_kernel_mode_torch_and_bad_modes(monkeypatch):
     finally:
         monkeypatch.undo()
         attention_kernel._load.cache_clear()
+
+
+def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
+    """torch's file lock is left behind by a killed build; every later load waited on it."""
+    import subprocess
+    import sys
+
+    if not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    from edgebuild.ops import cpu_build
+
+    dirs = [p for p in cpu_build.cache_dir().glob("edgebuild_decode_attention_*") if p.is_dir()]
+    for d in dirs:
+        (d / "lock").touch()  # as a kill -9 during the compile leaves it
+    code = (
+        "from edgebuild.ops import attention_kernel as a\n"
+        "assert a.available(), 'kernel not loaded'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]

@@ -5,11 +5,13 @@ Each source is compiled once with ``torch.utils.cpp_extension`` (g++ and ninja) 
 ``~/.cache/edgebuild/kernels``), in a folder named by the hash of the source, the flags, the
 torch version and the CPU's flags (a ``-march=native`` build never runs on another CPU), then
 loaded into the process as torch operators. A build takes ~10 s; later loads take
-milliseconds. torch's own file lock keeps concurrent processes from building it twice.
+milliseconds. An flock per kernel keeps concurrent processes from building it twice (and a
+build killed half-way from blocking later loads).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -64,14 +66,20 @@ def build_and_load(source: Path, flags: list[str]) -> None:
     bindir = str(Path(sys.executable).parent)  # the venv's ninja, when the venv is not active
     if bindir not in path.split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + path
-    try:
-        cpp_extension.load(
-            name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
-            verbose=False,
-        )  # fmt: skip
-    finally:
-        os.environ["PATH"] = path
+    # torch's own lock is a file that a killed build leaves behind, and every later load then
+    # waits for it forever; an flock dies with its holder, so under ours a leftover is stale
+    with open(out.parent / f"{name}.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (out / "lock").unlink(missing_ok=True)
+        try:
+            cpp_extension.load(
+                name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
+                extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
+                verbose=False,
+            )  # fmt: skip
+        finally:
+            os.environ["PATH"] = path
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def first_error(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ import torch
 from edgebuild.errors import ConfigError
 from edgebuild.models.common import PagedBatch
 from edgebuild.models.llama import LlamaForCausalLM
+from edgebuild.ops import attention_kernel
 from edgebuild.ops.linear import QUANT_MODES
 from edgebuild.runtime.backend import DraftBackend, MultimodalPrefill, TargetStep
 from edgebuild.runtime.cpu import describe_cpu, resolve_dtype
@@ -102,6 +103,7 @@ class TorchTarget:
             cfg.head_dim,
             dtype,
         )
+        attention_kernel.available()  # build / load the decode kernel now, not in a request
 
     def new_sequence(self) -> Sequence:
         return self.allocator.new_sequence()
