@@ -179,16 +179,29 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Te
   const int64_t padded = (rows + tile_rows - 1) / tile_rows * tile_rows;
   at::Tensor x = x_in.contiguous();
   if (padded != rows) x = at::cat({x, at::zeros({padded - rows, K}, x.options())});
-  auto xs = at::empty({rows, G}, x.options().dtype(at::kFloat));
+  // row sums per group: on the stack for a decode / verify call, else a tensor
+  constexpr int64_t kSmall = 16 * 64;  // rows * groups that fit on the stack
+  alignas(64) float xs_small[kSmall];
+  at::Tensor xs_big;
+  float* xsp = xs_small;
+  if (rows * G > kSmall) {
+    xs_big = at::empty({rows, G}, x.options().dtype(at::kFloat));
+    xsp = xs_big.data_ptr<float>();
+  }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  row_sums(xp, rows, K, xs.data_ptr<float>());
-  const float* xsp = xs.data_ptr<float>();
+  row_sums(xp, rows, K, xsp);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t triples = (NB + kNC - 1) / kNC;
-  at::parallel_for(0, triples, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(static_cast<size_t>(rows * kNC * 16));
+  auto work = [&](int64_t t0, int64_t t1) {
+    alignas(64) float acc_small[16 * kNC * 16];
+    std::vector<float> acc_big;
+    float* acc = acc_small;
+    if (rows > 16) {
+      acc_big.resize(static_cast<size_t>(rows * kNC * 16));
+      acc = acc_big.data();
+    }
     alignas(64) uint16_t bt[kNC * 512];
     alignas(64) float ctp[kNC * 256];
     configure(tile_rows);
@@ -196,11 +209,16 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Te
       const int64_t b = t * kNC;
       const int64_t nc = std::min<int64_t>(kNC, NB - b);
       auto fn = nc == 3 ? blocks<3> : nc == 2 ? blocks<2> : blocks<1>;
-      fn(xp, K, rows, tile_rows, xsp, G, wp + b * (K * 8), sp + b * (G * 32), bt, ctp,
-         acc.data(), yp + b * kBlock, N);
+      fn(xp, K, rows, tile_rows, xsp, G, wp + b * (K * 8), sp + b * (G * 32), bt, ctp, acc,
+         yp + b * kBlock, N);
     }
     release();
-  });
+  };
+  if (at::get_num_threads() == 1 || at::in_parallel_region()) {
+    work(0, triples);  // no OpenMP region for one thread (the split never changes a bit)
+  } else {
+    at::parallel_for(0, triples, 4, work);
+  }
   return y;
 }
 
