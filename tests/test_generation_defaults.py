@@ -132,6 +132,27 @@ def test_a_mistyped_generation_config_is_refused_naming_the_file(tmp_path, targe
     assert str(d / "generation_config.json") in result.stderr and "eos_token_id" in result.stderr
 
 
+@pytest.mark.parametrize("where", ["generation_config.json", "config.json"])
+def test_an_eos_id_outside_the_vocabulary_is_refused_naming_the_file(tmp_path, target, where):
+    """An EOS id no token can take would let every request run to max_tokens, silently."""
+    import shutil
+
+    d = tmp_path / "bad"
+    shutil.copytree(target, d)
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    if where == "generation_config.json":
+        _generation_config(d, eos_token_id=[EOS, vocab + 7])
+    else:
+        (d / "generation_config.json").unlink()
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["eos_token_id"] = vocab
+        (d / "config.json").write_text(json.dumps(cfg))
+    result = CliRunner().invoke(main, ["run", str(d), "--prompt", "t10 t11", "--max-tokens", "2"])
+    assert result.exit_code == 2, result.output
+    assert str(d / where) in result.stderr and "outside the vocabulary" in result.stderr
+    assert "Traceback" not in result.output
+
+
 def test_the_server_fills_left_out_sampling_fields_from_generation_config(tmp_path, target):
     """vLLM's `--generation-config auto`: a field the request leaves out takes the file's
     value; fields the file does not set keep the OpenAI defaults; the request's own win."""

@@ -37,7 +37,7 @@ _NOT_IMPLEMENTED = {
 HF_TOP_K = 50  # GenerationConfig's default top_k when sampling
 
 
-def _eos_list(value: Any, where: str) -> tuple[int, ...] | None:
+def _eos_list(value: Any, where: str, vocab: Any = None) -> tuple[int, ...] | None:
     if value is None:
         return None
     items = value if isinstance(value, list) else [value]
@@ -45,6 +45,13 @@ def _eos_list(value: Any, where: str) -> tuple[int, ...] | None:
         raise CheckpointError(
             f"{where}: 'eos_token_id' must be a token id or a list of token ids, got {value!r}"
         )
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        outside = [i for i in items if i >= vocab]
+        if outside:
+            raise CheckpointError(
+                f"{where}: 'eos_token_id' {outside} outside the vocabulary (config.json "
+                f"vocab_size {vocab}): no token could ever stop generation there; fix the id"
+            )
     return tuple(dict.fromkeys(items))
 
 
@@ -120,9 +127,9 @@ def read_generation_defaults(model_dir: Path, config: dict | None = None) -> Gen
     if config is None:
         path = model_dir / "config.json"
         config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    cfg_eos = _eos_list(
-        text_config_view(config).get("eos_token_id"), str(model_dir / "config.json")
-    )
+    text = text_config_view(config)
+    vocab = text.get("vocab_size")
+    cfg_eos = _eos_list(text.get("eos_token_id"), str(model_dir / "config.json"), vocab)
     path = model_dir / GENERATION_CONFIG
     if not path.is_file():
         return GenerationDefaults(cfg_eos or (), "config.json" if cfg_eos else "")
@@ -132,7 +139,7 @@ def read_generation_defaults(model_dir: Path, config: dict | None = None) -> Gen
         raise CheckpointError(f"{path}: cannot read the generation config ({exc})") from None
     if not isinstance(gen, dict):
         raise CheckpointError(f"{path}: must be a JSON object, got {type(gen).__name__}")
-    eos = _eos_list(gen.get("eos_token_id"), str(path))
+    eos = _eos_list(gen.get("eos_token_id"), str(path), vocab)
     do_sample = gen.get("do_sample", False)
     if not isinstance(do_sample, bool):
         raise CheckpointError(f"{path}: 'do_sample' must be true or false, got {do_sample!r}")
