@@ -8,6 +8,8 @@ are compared bit for bit with 1-row calls. The kernel tests skip where the CPU h
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,8 +17,10 @@ from edgebuild.errors import MissingDependencyError
 from edgebuild.ops import int4_kernel
 from edgebuild.ops.linear import PackedLinear, dequantize_int4, quantize_int4
 
+_off = os.environ.get(int4_kernel.ENV, "").strip().lower() == "torch"
 needs_amx = pytest.mark.skipif(
-    int4_kernel._why_not() is not None, reason=f"no AMX int4 kernel here: {int4_kernel._why_not()}"
+    _off or int4_kernel._why_not() is not None,
+    reason=f"no AMX int4 kernel here: {'EDGEBUILD_INT4_KERNEL=torch' if _off else int4_kernel._why_not()}",
 )
 
 
@@ -116,6 +120,27 @@ def test_mode_torch_and_bad_modes(monkeypatch):
         monkeypatch.setenv(int4_kernel.ENV, "auto")
         int4_kernel._load.cache_clear()
         assert not int4_kernel.available()  # auto falls back to torch's kernel
+    finally:
+        monkeypatch.undo()
+        int4_kernel._load.cache_clear()
+
+
+def test_torch_kernel_path_takes_outputs_that_are_not_a_multiple_of_16(monkeypatch):
+    """torch's int4 packing wants whole blocks of 16 outputs: the rows are padded, the
+    output cut back (it raised 'expect N to be dividable by 16' for a 40-output linear)."""
+    monkeypatch.setenv(int4_kernel.ENV, "torch")
+    int4_kernel._load.cache_clear()
+    try:
+        torch.manual_seed(3)
+        lin = torch.nn.Linear(64, 40).to(torch.bfloat16)
+        packed = PackedLinear([lin], quant="int4")
+        assert not packed.int4_amx
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        codes, sz = quantize_int4(lin.weight)
+        ref = x.float() @ dequantize_int4(codes, sz).t() + lin.bias.float()
+        y = packed(x)
+        assert y.shape == (3, 40)
+        assert (y.float() - ref).abs().max().item() < 0.05
     finally:
         monkeypatch.undo()
         int4_kernel._load.cache_clear()

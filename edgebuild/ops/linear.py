@@ -119,6 +119,12 @@ class PackedLinear:
                 self.weight, self._amx_scales = int4_kernel.pack(codes, self.scales)
                 self.int4_amx = True  # edgebuild's AMX kernel (ops/int4_kernel.py)
                 return
+            pad = -codes.shape[0] % 16  # torch's packing takes whole blocks of 16 outputs
+            if pad:
+                codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+                self.scales = torch.cat(
+                    [self.scales, self.scales.new_zeros(self.scales.shape[0], pad, 2)], dim=1
+                )
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             return
         self.packed = packing_available(fused.dtype)
@@ -165,6 +171,8 @@ class PackedLinear:
         if self.quant == "int4":
             sz = self._scales(x2.dtype)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, INT4_GROUP_SIZE, sz)
+            if y.shape[1] != self.out_features:  # padded to a whole block of 16
+                y = y[:, : self.out_features]
             return y if self.bias is None else y + self.bias.to(y.dtype)
         return torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")
 
