@@ -130,3 +130,36 @@ def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_a_damaged_cached_kernel_is_rebuilt_and_an_intact_one_loads_without_a_compiler(tmp_path):
+    """A truncated cached library crashed the process with SIGBUS when loaded; a cache built
+    earlier was not used where no compiler is on PATH (a runtime image)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("g++") is None or not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    env = {**os.environ, "EDGEBUILD_CACHE": str(tmp_path / "cache")}
+    code = "from edgebuild.ops import attention_kernel as a\nassert a.available()\n"
+
+    def run(**extra):
+        done = subprocess.run(
+            [sys.executable, "-c", code], env={**env, **extra}, timeout=300, capture_output=True
+        )
+        assert done.returncode == 0, (done.returncode, done.stderr.decode()[-2000:])
+        return done.stderr.decode()
+
+    run()  # builds into the empty cache
+    libs = list((tmp_path / "cache" / "kernels").glob("edgebuild_decode_attention_*/*.so"))
+    assert len(libs) == 1 and libs[0].with_name(libs[0].name + ".sha256").is_file()
+    size = libs[0].stat().st_size
+    with open(libs[0], "r+b") as f:  # as a full disk or a bad copy leaves it
+        f.truncate(size // 2)
+    run()  # rebuilt, not loaded
+    assert libs[0].stat().st_size == size
+    bindir = os.path.dirname(sys.executable)
+    err = run(PATH=bindir)  # no g++ on PATH: the intact library still loads
+    assert "no C++ compiler" not in err

@@ -42,20 +42,27 @@ def _load() -> bool:
         raise MissingDependencyError(f"{ENV}={mode!r}: use auto or torch")
     if mode == "torch":
         return False
-    why = None
+    why, fixable = None, True
     if platform.system() != "Linux":
-        why = f"not a Linux host ({platform.system()})"
-    elif shutil.which("g++") is None and shutil.which("c++") is None:
-        why = "no C++ compiler (g++) on PATH"
+        why, fixable = f"not a Linux host ({platform.system()})", False
+    elif (
+        shutil.which("g++") is None
+        and shutil.which("c++") is None
+        and cpu_build.prebuilt(SOURCE, FLAGS) is None
+    ):
+        why = "no C++ compiler (g++) on PATH to build it"
     else:
         try:
             cpu_build.build_and_load(SOURCE, FLAGS)
         except Exception as exc:  # a compiler or torch extension failure: fall back
-            why = f"its build failed ({cpu_build.first_error(exc)})"
+            why = f"it could not be built or loaded ({cpu_build.first_error(exc)})"
     if why is None:
         log.info("attention: edgebuild's decode kernel (%s)", SOURCE.name)
         return True
-    log.info("attention: the torch decode path (edgebuild's kernel: %s)", why)
+    log.log(
+        logging.WARNING if fixable else logging.INFO,
+        "attention: the torch decode path (edgebuild's kernel: %s)", why,
+    )  # fmt: skip
     return False
 
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import sys
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("edgebuild.runtime")
 
 
 def cache_dir() -> Path:
@@ -42,24 +45,49 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def library_name(source: Path, flags: list[str]) -> str:
+    """The cache folder / library name of ``source`` built with ``flags`` here."""
+    ident = b"\0".join(
+        [source.read_bytes(), " ".join(["-fopenmp", *flags]).encode(), torch.__version__.encode(),
+         platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()]
+    )  # fmt: skip
+    return f"edgebuild_{source.stem}_{hashlib.sha256(ident).hexdigest()[:16]}"
+
+
+def prebuilt(source: Path, flags: list[str]) -> Path | None:
+    """The cached library of ``source`` when it is there and intact (its sha256 equals the
+    stamp written after the build that made it), else None."""
+    name = library_name(source, flags)
+    lib, stamp = cache_dir() / name / f"{name}.so", cache_dir() / name / f"{name}.so.sha256"
+    try:
+        return lib if stamp.read_text().strip() == _sha256(lib) else None
+    except OSError:
+        return None
+
+
 def build_and_load(source: Path, flags: list[str]) -> None:
-    """Compile ``source`` with ``-O3 -fopenmp`` + ``flags`` (cached) and load its operators.
+    """Load the cached library of ``source`` (checked against its stamp), else compile it with
+    ``-O3 -fopenmp`` + ``flags``, stamp it and load its operators.
 
     ``-fopenmp``: ``at::parallel_for`` is an inline OpenMP region in torch's headers; without
     the flag it runs on one thread (measured: an int4 step's linears took the same 11 ms at 1
     and 2 threads). The library then shares torch's OpenMP runtime and thread count.
 
+    A library that is intact loads without a compiler or ninja. One that does not match its
+    stamp (a truncated file crashed the process with SIGBUS when loaded) is deleted and
+    rebuilt. A process that finds another one building waits for it and says so.
+
     Raises:
         Exception: whatever the compiler or ``torch.utils.cpp_extension`` raises; callers
             fall back to their torch path and say why in one line (:func:`first_error`).
     """
+    lib = prebuilt(source, flags)
+    if lib is not None:
+        torch.ops.load_library(str(lib))
+        return
     from torch.utils import cpp_extension
 
-    ident = b"\0".join(
-        [source.read_bytes(), " ".join(["-fopenmp", *flags]).encode(), torch.__version__.encode(),
-         platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()]
-    )  # fmt: skip
-    name = f"edgebuild_{source.stem}_{hashlib.sha256(ident).hexdigest()[:16]}"
+    name = library_name(source, flags)
     out = cache_dir() / name
     out.mkdir(parents=True, exist_ok=True)
     path = os.environ.get("PATH", "")
@@ -69,17 +97,38 @@ def build_and_load(source: Path, flags: list[str]) -> None:
     # torch's own lock is a file that a killed build leaves behind, and every later load then
     # waits for it forever; an flock dies with its holder, so under ours a leftover is stale
     with open(out.parent / f"{name}.lock", "a+") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        (out / "lock").unlink(missing_ok=True)
         try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process building %s (%s)", source.name, out)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            lib = prebuilt(source, flags)  # the other process may have built it meanwhile
+            if lib is not None:
+                torch.ops.load_library(str(lib))
+                return
+            (out / "lock").unlink(missing_ok=True)
+            (out / f"{name}.so").unlink(missing_ok=True)  # unstamped: maybe damaged, relink
             cpp_extension.load(
                 name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
                 extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
                 verbose=False,
             )  # fmt: skip
+            lib = out / f"{name}.so"
+            tmp = out / f"{name}.so.sha256.tmp"
+            tmp.write_text(_sha256(lib) + "\n")
+            os.replace(tmp, out / f"{name}.so.sha256")  # atomic: a stamp is whole or absent
         finally:
             os.environ["PATH"] = path
             fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def first_error(exc: BaseException) -> str:

@@ -50,8 +50,12 @@ def _why_not() -> str | None:
     missing = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} - cpu_build.cpu_flags()
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        return "no C++ compiler (g++) on PATH"
+    if (
+        shutil.which("g++") is None
+        and shutil.which("c++") is None
+        and cpu_build.prebuilt(SOURCE, ISA_FLAGS) is None
+    ):
+        return "no C++ compiler (g++) on PATH to build it"
     return None
 
 
@@ -65,19 +69,24 @@ def _load() -> bool:
     if mode == "torch":
         return False
     why = _why_not()
+    fixable = why is not None and "compiler" in why  # the CPU could run it: say so louder
     if why is None:
         try:
             cpu_build.build_and_load(SOURCE, ISA_FLAGS)
             if not torch.ops.edgebuild_cpu.int4_available():
                 why = "the kernel refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
         except Exception as exc:  # a compiler or torch extension failure: fall back
-            why = f"its build failed ({cpu_build.first_error(exc)})"
+            why = f"it could not be built or loaded ({cpu_build.first_error(exc)})"
+            fixable = True
     if why is None:
         log.info("int4: edgebuild's AMX kernel (row-invariant, %s)", SOURCE.name)
         return True
     if mode == "amx":
         raise MissingDependencyError(f"{ENV}=amx: the AMX int4 kernel cannot run here: {why}")
-    log.info("int4: torch's _weight_int4pack_mm_for_cpu (edgebuild's AMX kernel: %s)", why)
+    log.log(
+        logging.WARNING if fixable else logging.INFO,
+        "int4: torch's _weight_int4pack_mm_for_cpu (edgebuild's AMX kernel: %s)", why,
+    )  # fmt: skip
     return False
 
 
