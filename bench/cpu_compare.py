@@ -244,27 +244,11 @@ class OrtGenai(Engine):
 
         self.og, self.threads = og, threads
         self.name = f"onnxruntime-genai {precision} t{threads}"
-        config = og.Config(str(model_dir))
-        opts = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": opts}}}))
-        self.model = og.Model(config)
+        self.model = ortgenai_worker().load_model(og, model_dir, threads)
 
     def run(self, ids, n):
-        og = self.og
-        params = og.GeneratorParams(self.model)
-        total = len(ids) + n
-        params.set_search_options(do_sample=False, max_length=total, min_length=total)
-        gen = og.Generator(self.model, params)
-        t0 = time.perf_counter()
-        gen.append_tokens(ids)
-        toks, t_first = [], None
-        while not gen.is_done() and len(toks) < n:
-            gen.generate_next_token()
-            toks.append(int(gen.get_next_tokens()[0]))
-            if t_first is None:
-                t_first = time.perf_counter()
-        del t0
-        return toks, time.perf_counter() - t_first, None
+        toks, decode_s = ortgenai_worker().greedy(self.og, self.model, ids, n)
+        return toks, decode_s, None
 
 
 class OrtGenaiProc(Engine):

@@ -37,6 +37,31 @@ def default_python() -> str | None:
     return str(DEFAULT_PYTHON) if DEFAULT_PYTHON.is_file() else None
 
 
+def load_model(og, model_dir, threads: int):
+    """An ``og.Model`` of ``model_dir`` whose decoder session runs ``threads`` intra-op threads."""
+    config = og.Config(str(model_dir))
+    opts = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": opts}}}))
+    return og.Model(config)
+
+
+def greedy(og, model, ids: list[int], n: int) -> tuple[list[int], float]:
+    """Exactly ``n`` greedy tokens after ``ids`` (EOS ignored) and the decode seconds: the
+    time after the first token (the prefill excluded), as every engine of cpu_compare.py."""
+    params = og.GeneratorParams(model)
+    total = len(ids) + n
+    params.set_search_options(do_sample=False, max_length=total, min_length=total)
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids)
+    toks, t_first = [], None
+    while not gen.is_done() and len(toks) < n:
+        gen.generate_next_token()
+        toks.append(int(gen.get_next_tokens()[0]))
+        if t_first is None:
+            t_first = time.perf_counter()
+    return toks, time.perf_counter() - t_first
+
+
 class Worker:
     """Client: a long-lived worker process (``python`` runs this file)."""
 
@@ -97,29 +122,15 @@ class _Server:
         import onnxruntime_genai as og
 
         self.og, self.dir, self.threads = og, Path(model_dir), threads
-        config = og.Config(model_dir)
-        opts = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": opts}}}))
-        self.model = og.Model(config)
+        self.model = load_model(og, model_dir, threads)
         import onnxruntime
 
         versions = {"onnxruntime-genai": og.__version__, "onnxruntime": onnxruntime.__version__}
         return {"ok": True, "versions": versions}
 
     def generate(self, ids: list[int], max_tokens: int) -> dict:
-        og, n = self.og, max_tokens
-        params = og.GeneratorParams(self.model)
-        total = len(ids) + n
-        params.set_search_options(do_sample=False, max_length=total, min_length=total)
-        gen = og.Generator(self.model, params)
-        gen.append_tokens(ids)
-        toks, t_first = [], None
-        while not gen.is_done() and len(toks) < n:
-            gen.generate_next_token()
-            toks.append(int(gen.get_next_tokens()[0]))
-            if t_first is None:
-                t_first = time.perf_counter()
-        return {"tokens": toks, "decode_s": time.perf_counter() - t_first}
+        toks, decode_s = greedy(self.og, self.model, ids, max_tokens)
+        return {"tokens": toks, "decode_s": decode_s}
 
     def teacher_forced(self, ids: list[int], cont: list[int]) -> dict:
         import numpy as np
