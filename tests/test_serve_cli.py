@@ -133,3 +133,45 @@ def test_entry_point_serves_and_stops_cleanly_on_sigterm(smollm2_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_quant_reaches_the_torch_runtime_and_is_refused_on_engine_backends(
+    smollm2_dir, monkeypatch
+):
+    """`edgellm-serve --quant int4` (break-it: the flag did not exist, int4 was `run`-only)."""
+    from click.testing import CliRunner
+
+    import edgebuild.deploy
+    from edgebuild.serve import cli
+    from edgebuild.serve import config as cfg
+
+    seen = {}
+
+    def fake_loader(config, probe=None):
+        seen["config"] = config
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(edgebuild.deploy, "serve_loader", fake_loader)
+    result = CliRunner().invoke(cli.main, [str(smollm2_dir), "--quant", "int4"])
+    assert result.exit_code == 2 and seen["config"].quant == "int4", result.output
+    bad = CliRunner().invoke(cli.main, [str(smollm2_dir), "--quant", "int3"])
+    assert bad.exit_code == 2 and "--quant" in bad.output
+
+    loaded = {}
+
+    def fake_llm(model, **kw):
+        loaded["options"] = kw["options"]
+        raise ConfigError("loaded")
+
+    monkeypatch.setattr(cfg, "LLM", fake_llm)
+    config = cfg.ServeConfig(model=smollm2_dir, quant="int4")
+    with pytest.raises(ConfigError, match="loaded"):
+        cfg.load_state(config, cfg.ServePlan(smollm2_dir, cfg.BackendChoice("torch", "asked")))
+    assert loaded["options"].quant == "int4"
+    loaded.clear()
+    ort = cfg.ServePlan(smollm2_dir, cfg.BackendChoice("onnxruntime", "asked"))
+    with pytest.raises(ConfigError, match="--quant int4: weight-only CPU linears are a torch"):
+        cfg.load_state(config, ort)
+    assert not loaded  # refused before loading
+    with pytest.raises(ConfigError, match="--quant must be one of int8, int4"):
+        cfg.ServeConfig(model=smollm2_dir, quant="fp4").validate()

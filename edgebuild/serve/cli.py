@@ -87,6 +87,13 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
     help="CPU compute dtype (auto: bfloat16 where the CPU has native bf16, else float32).",
 )
 @click.option(
+    "--quant",
+    type=click.Choice(["int8", "int4"]),
+    default=None,
+    help="torch backend: weight-only int8 (per channel) or int4 (groups of 32) CPU linears "
+    "(opt-in, as `edgebuild run --quant`; outputs are the quantized model's).",
+)
+@click.option(
     "--graceful-shutdown-s",
     default=30.0,
     type=float,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from edgebuild.checkpoint.hub import is_hub_id, split_ref
 from edgebuild.errors import ConfigError
+from edgebuild.ops.linear import QUANT_MODES
 from edgebuild.runtime.cpu import resolve_dtype, set_cpu_threads
 from edgebuild.runtime.llm import LLM, RuntimeOptions
 from edgebuild.runtime.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS, PrefillConfig
@@ -59,6 +60,8 @@ class ServeConfig:
         threads: torch CPU threads (None = cores - 1, at least 1; runtime/cpu.py).
         dtype: CPU compute dtype: auto (bfloat16 with native CPU bf16, else float32),
             bfloat16 or float32.
+        quant: None, "int8" or "int4": weight-only CPU linears of the torch backend (as
+            ``edgebuild run --quant``; refused on the engine backends).
         graceful_shutdown_s: on SIGTERM, how long running requests may go on; then each gets
             the documented 503 (an SSE error event and `[DONE]` on a stream).
         enable_prefix_caching: reuse the KV pages (and draft context) of full prompt pages
@@ -90,6 +93,7 @@ class ServeConfig:
     backend: str = "auto"
     threads: int | None = None
     dtype: str = "auto"
+    quant: str | None = None
     graceful_shutdown_s: float = 30.0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -153,6 +157,10 @@ class ServeConfig:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         resolve_dtype(self.dtype)  # ConfigError naming --dtype
+        if self.quant is not None and self.quant not in QUANT_MODES:
+            raise ConfigError(
+                f"--quant must be one of {', '.join(QUANT_MODES)}, got {self.quant!r}"
+            )
         if not Path(self.model).exists() and not is_hub_id(split_ref(str(self.model))[0]):
             raise ConfigError(
                 f"model {self.model}: no such directory, and not a Hugging Face Hub id "
@@ -335,6 +343,12 @@ def load_state(config: ServeConfig, plan: ServePlan | None = None) -> ServeState
             "max_batch_size pages, or whole rings for a sliding-window draft); omit the flag, "
             "or use --backend torch"
         )
+    if config.quant is not None and plan.backend.name != "torch":
+        raise ConfigError(
+            f"--quant {config.quant}: weight-only CPU linears are a torch-backend option; the "
+            f"{plan.backend.name} backend runs the bundle's engines as built (quantize with "
+            "`edgebuild quantize` before `edgebuild build`), or use --backend torch"
+        )
     set_cpu_threads(config.threads)
     options = RuntimeOptions(
         max_kv_rows=config.max_kv_cache_capacity,
@@ -342,6 +356,7 @@ def load_state(config: ServeConfig, plan: ServePlan | None = None) -> ServeState
         max_input_len=config.input_len,
         max_seq_rows=config.max_model_len,
         dtype=resolve_dtype(config.dtype),
+        quant=config.quant,
         prefill=config.prefill,
         ort_threads=config.threads or 0,
     )
