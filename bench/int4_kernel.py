@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from edgebuild.ops import int4_kernel  # noqa: E402
+from edgebuild.ops import amx_linear  # noqa: E402
 from edgebuild.ops.linear import INT4_GROUP_SIZE, quantize_int4  # noqa: E402
 
 SHAPES = [(960, 576), (3072, 576), (576, 576), (576, 1536)] * 30 + [(49152, 576)]
@@ -27,12 +27,12 @@ ROWS = (1, 2, 4, 8)
 
 
 def main() -> None:
-    if not int4_kernel.available():
+    if not amx_linear.available():
         raise SystemExit("edgebuild's AMX int4 kernel does not run here (see the log line)")
     ours, theirs = [], []
     for n, k in SHAPES:
         codes, sz = quantize_int4(torch.randn(n, k) * 0.05)
-        ours.append((k, int4_kernel.pack(codes, sz)))
+        ours.append((k, amx_linear.pack(codes, sz)))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         theirs.append((k, (packed, sz.to(torch.bfloat16))))
     xs = {k: {m: torch.randn(m, k).bfloat16() for m in ROWS} for k in (576, 1536)}
@@ -43,7 +43,7 @@ def main() -> None:
             for m in ROWS:
                 t = time.perf_counter()
                 for k, (w, sc) in ours:
-                    int4_kernel.linear(xs[k][m], w, sc)
+                    amx_linear.linear(xs[k][m], w, sc)
                 res.setdefault(("amx", threads, m), []).append(time.perf_counter() - t)
                 t = time.perf_counter()
                 for k, (w, sz) in theirs:

@@ -1,9 +1,9 @@
-// Weight-only int4 linear for bf16 activations on Intel AMX (edgebuild.ops.int4_kernel).
+// Weight-only int4 linear for bf16 activations on Intel AMX (edgebuild.ops.amx_linear).
 //
 // y[m, n] = sum_k x[m, k] * (code[n, k] * scale[n, g] + lo[n, g]),  g = k / 32
 //         = sum_g scale[n, g] * (sum_{k in g} code[n, k] * x[m, k]) + lo[n, g] * xsum[m, g]
 //
-// Layout (packed once at load by edgebuild/ops/int4_kernel.py `pack`):
+// Layout (packed once at load by edgebuild/ops/amx_linear.py `pack`):
 //   w  uint8 [N/16, K/4, 32]: column block b (output features 16b..16b+15), k quad q
 //      (k = 4q..4q+3): byte i holds code[16b + i/2, 4q + i%2] in its low nibble and
 //      code[16b + i/2, 4q + 2 + i%2] in its high nibble. Widened to bf16 words, the low
@@ -222,12 +222,190 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Te
   return y;
 }
 
+// ----------------------------------------------------------------------------- bf16 weights
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), bf16 x and w, fp32 accumulation, one rounding.
+//
+// Layout (edgebuild/ops/amx_linear.py `pack_bf16`): wp bf16 [N/16, K/32, 16, 32]: column
+// block b, k chunk c: row r of the B tile holds, for columns 16b..16b+15, the VNNI pair
+// w[n, 32c + 2r], w[n, 32c + 2r + 1] (words 2j, 2j + 1 = column j). A column block's chunks are
+// contiguous, so each of the NC blocks in flight is one sequential stream.
+//
+// The C tile accumulates over all of K (TDPBF16PS, the same instruction sequence for every row
+// whatever the row count: a C row depends only on its own A row), then fp32 + bias rounds once
+// to bf16. Row-invariant like the int4 kernel: DSpark's verify rows equal target-only's decode
+// rows bit for bit. Calls of more than 16 rows run 16-row A tiles (rows padded to 16).
+template <int NC>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_blocks(
+    const uint16_t* x, int64_t K, int64_t rows, int tile_rows, const uint16_t* w,
+    const float* bias, float* ct, uint16_t* y, int64_t ldy) {
+  const int64_t KC = K / 32, bstride = KC * 512, chunks = (rows + tile_rows - 1) / tile_rows;
+  for (int64_t r = 0; r < chunks; ++r) {
+    _tile_zero(4);
+    if (NC > 1) _tile_zero(5);
+    if (NC > 2) _tile_zero(6);
+    const uint16_t* xr = x + r * tile_rows * K;
+    for (int64_t c = 0; c < KC; ++c) {
+      _tile_loadd(0, xr + c * 32, K * 2);
+      _tile_loadd(1, w + c * 512, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      if (NC > 1) {
+        _tile_loadd(2, w + bstride + c * 512, 64);
+        _tile_dpbf16ps(5, 0, 2);
+      }
+      if (NC > 2) {
+        _tile_loadd(3, w + 2 * bstride + c * 512, 64);
+        _tile_dpbf16ps(6, 0, 3);
+      }
+    }
+    _tile_stored(4, ct, 64);
+    if (NC > 1) _tile_stored(5, ct + 256, 64);
+    if (NC > 2) _tile_stored(6, ct + 512, 64);
+    const int64_t m1 = std::min<int64_t>(tile_rows, rows - r * tile_rows);
+    for (int c = 0; c < NC; ++c) {
+      const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < m1; ++m)
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(y + (r * tile_rows + m) * ldy + c * 16),
+            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(ct + c * 256 + m * 16), b)));
+    }
+  }
+}
+
+// Prefill-sized calls (more than 16 rows): two 16-row A tiles (0, 1) share each loaded B tile
+// (2, 3), C tiles 4 + 2 * chunk + block. Per C row the instruction sequence is the one of
+// bf16_blocks (zero, then one TDPBF16PS per k chunk in order), so the bits equal a 1-row call.
+__attribute__((target("amx-tile,amx-bf16"))) void configure_tall() {
+  alignas(64) TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+template <int NC>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void
+bf16_blocks_tall(const uint16_t* x, int64_t K, int64_t rows, const uint16_t* w,
+                 const float* bias, float* ct, uint16_t* y, int64_t ldy) {
+  const int64_t KC = K / 32, bstride = KC * 512;
+  for (int64_t r0 = 0; r0 < rows; r0 += 32) {  // rows: a multiple of 32 (padded)
+    _tile_zero(4);
+    _tile_zero(6);
+    if (NC > 1) {
+      _tile_zero(5);
+      _tile_zero(7);
+    }
+    const uint16_t* xr = x + r0 * K;
+    for (int64_t c = 0; c < KC; ++c) {
+      _tile_loadd(0, xr + c * 32, K * 2);
+      _tile_loadd(1, xr + 16 * K + c * 32, K * 2);
+      _tile_loadd(2, w + c * 512, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(6, 1, 2);
+      if (NC > 1) {
+        _tile_loadd(3, w + bstride + c * 512, 64);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+    }
+    _tile_stored(4, ct, 64);
+    _tile_stored(6, ct + 256, 64);
+    if (NC > 1) {
+      _tile_stored(5, ct + 512, 64);
+      _tile_stored(7, ct + 768, 64);
+    }
+    for (int c = 0; c < NC; ++c) {
+      const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+      for (int h = 0; h < 2; ++h)
+        for (int m = 0; m < 16; ++m)
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(y + (r0 + 16 * h + m) * ldy + c * 16),
+              (__m256i)_mm512_cvtneps_pbh(
+                  _mm512_add_ps(_mm512_load_ps(ct + c * 512 + h * 256 + m * 16), b)));
+    }
+  }
+}
+
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& w,
+                       const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
+              "bf16_linear: x must be bf16 [rows, in]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.size(2) == 16 &&
+                  w.size(3) == 32 && w.is_contiguous(),
+              "bf16_linear: w must be bf16 [out/16, in/32, 16, 32]");
+  const int64_t rows = x_in.size(0), K = x_in.size(1), NB = w.size(0);
+  TORCH_CHECK(w.size(1) * 32 == K, "bf16_linear: in must be 32 * w.size(1)");
+  TORCH_CHECK(amx_permitted(), "bf16_linear: the kernel refused AMX tile state");
+  const int64_t N = NB * kBlock;
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.numel() == N, "bf16_linear: bias must have out/16*16 entries");
+  }
+  if (rows == 0) return at::empty({0, N}, x_in.options());
+  const bool tall = rows > 16;
+  const int tile_rows = tall ? 16 : static_cast<int>(rows);
+  const int64_t padded = tall ? (rows + 31) / 32 * 32 : rows;
+  at::Tensor x = x_in.contiguous();
+  if (padded != rows) x = at::cat({x, at::zeros({padded - rows, K}, x.options())});
+  auto y = at::empty({padded, N}, x_in.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (tall) {
+    const int64_t pairs = (NB + 1) / 2;
+    auto work = [&](int64_t t0, int64_t t1) {
+      alignas(64) float ctp[4 * 256];
+      configure_tall();
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t * 2;
+        auto fn = NB - b >= 2 ? bf16_blocks_tall<2> : bf16_blocks_tall<1>;
+        fn(xp, K, padded, wp + b * K * 16, bp ? bp + b * kBlock : nullptr, ctp, yp + b * kBlock,
+           N);
+      }
+      release();
+    };
+    if (at::get_num_threads() == 1 || at::in_parallel_region()) {
+      work(0, pairs);
+    } else {
+      at::parallel_for(0, pairs, 4, work);
+    }
+    return padded == rows ? y : y.narrow(0, 0, rows);
+  }
+  const int64_t triples = (NB + kNC - 1) / kNC;
+  auto work = [&](int64_t t0, int64_t t1) {
+    alignas(64) float ctp[kNC * 256];
+    configure(tile_rows);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t * kNC;
+      const int64_t nc = std::min<int64_t>(kNC, NB - b);
+      auto fn = nc == 3 ? bf16_blocks<3> : nc == 2 ? bf16_blocks<2> : bf16_blocks<1>;
+      fn(xp, K, rows, tile_rows, wp + b * K * 16, bp ? bp + b * kBlock : nullptr, ctp,
+         yp + b * kBlock, N);
+    }
+    release();
+  };
+  if (at::get_num_threads() == 1 || at::in_parallel_region()) {
+    work(0, triples);
+  } else {
+    at::parallel_for(0, triples, 4, work);
+  }
+  return y;
+}
+
 bool available() { return __builtin_cpu_supports("avx512bf16") && amx_permitted(); }
 
 }  // namespace
 
 TORCH_LIBRARY(edgebuild_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor w, Tensor sc) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_available() -> bool", &available);
 }
-TORCH_LIBRARY_IMPL(edgebuild_cpu, CPU, m) { m.impl("int4_linear", &int4_linear); }
+TORCH_LIBRARY_IMPL(edgebuild_cpu, CPU, m) { m.impl("int4_linear", &int4_linear);
+  m.impl("bf16_linear", &bf16_linear);
+}
