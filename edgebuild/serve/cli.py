@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from edgebuild.errors import EdgebuildError
+from edgebuild.errors import EdgebuildError, unreadable
 from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from edgebuild.serve.config import BACKENDS, ServeConfig
@@ -139,10 +139,17 @@ def main(log_level: str, **flags) -> None:
     except EdgebuildError as exc:
         click.secho(f"error: {exc}", fg="red", err=True)
         sys.exit(2)
+    except OSError as exc:  # an unreadable model folder or file: named, with the fix
+        if exc.filename is None:
+            raise
+        click.secho(f"error: {unreadable(exc)}", fg="red", err=True)
+        sys.exit(2)
     server = EdgeServer(None, log_level, startup=Startup(load), config=config)
     server.run()
     if server.startup_error is not None:
         exc = server.startup_error
+        if isinstance(exc, OSError) and exc.filename is not None:
+            exc = unreadable(exc)
         if not isinstance(exc, EdgebuildError):
             logging.getLogger("edgebuild.serve").error("start-up failed", exc_info=exc)
         click.secho(f"error: {exc}", fg="red", err=True)
