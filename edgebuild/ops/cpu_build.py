@@ -16,6 +16,8 @@ import hashlib
 import logging
 import os
 import platform
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,7 +79,13 @@ def build_and_load(source: Path, flags: list[str]) -> None:
     stamp (a truncated file crashed the process with SIGBUS when loaded) is deleted and
     rebuilt. A process that finds another one building waits for it and says so.
 
+    Ctrl-C during the build aborts it: SIGINT reaches ninja too, and its "interrupted by
+    user" failure is raised as KeyboardInterrupt (not a build error the callers fall back
+    from), also where the build runs off the main thread. No stamp is written, so the next
+    run rebuilds; the flock is released.
+
     Raises:
+        KeyboardInterrupt: the build was interrupted (:func:`interrupted`).
         Exception: whatever the compiler or ``torch.utils.cpp_extension`` raises; callers
             fall back to their torch path and say why in one line (:func:`first_error`).
     """
@@ -109,11 +117,16 @@ def build_and_load(source: Path, flags: list[str]) -> None:
                 return
             (out / "lock").unlink(missing_ok=True)
             (out / f"{name}.so").unlink(missing_ok=True)  # unstamped: maybe damaged, relink
-            cpp_extension.load(
-                name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
-                extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
-                verbose=False,
-            )  # fmt: skip
+            try:
+                cpp_extension.load(
+                    name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
+                    extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
+                    verbose=False,
+                )  # fmt: skip
+            except Exception as exc:
+                if interrupted(exc):  # Ctrl-C reached ninja: abort, as on the main thread
+                    raise KeyboardInterrupt(f"building {source.name} was interrupted") from exc
+                raise
             lib = out / f"{name}.so"
             tmp = out / f"{name}.so.sha256.tmp"
             tmp.write_text(_sha256(lib) + "\n")
@@ -129,6 +142,15 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether a ``cpp_extension`` build failure is ninja stopped by SIGINT (Ctrl-C), not a
+    compiler error: ninja killed by the signal, or its "interrupted by user" message."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, subprocess.CalledProcessError) and cause.returncode == -signal.SIGINT:
+        return True
+    return "build stopped: interrupted by user" in str(exc)
 
 
 def first_error(exc: BaseException) -> str:

@@ -148,6 +148,8 @@ def main(log_level: str, **flags) -> None:
     server.run()
     if server.startup_error is not None:
         exc = server.startup_error
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C during a kernel build: click's exit
+            raise KeyboardInterrupt from exc
         if isinstance(exc, OSError) and exc.filename is not None:
             exc = unreadable(exc)
         if not isinstance(exc, EdgebuildError):
