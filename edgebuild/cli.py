@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from edgebuild.cli_options import quant_option
 from edgebuild.errors import EdgebuildError, unreadable
 from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.select import BACKENDS
@@ -182,13 +183,7 @@ def doctor() -> None:
     show_default=True,
     help="CPU compute dtype; auto: bfloat16 where the CPU has native bf16, else float32.",
 )
-@click.option(
-    "--quant",
-    type=click.Choice(["int8", "int4"]),
-    default=None,
-    help="CPU backend: weight-only int8 (per channel) or int4 (groups of 32) linears (opt-in; "
-    "faster, outputs are the quantized model's).",
-)
+@quant_option()
 @click.option(
     "--backend",
     type=click.Choice(BACKENDS),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from edgebuild.cli_options import quant_option
 from edgebuild.errors import EdgebuildError, unreadable
 from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -86,13 +87,7 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
     type=click.Choice(DTYPE_CHOICES),
     help="CPU compute dtype (auto: bfloat16 where the CPU has native bf16, else float32).",
 )
-@click.option(
-    "--quant",
-    type=click.Choice(["int8", "int4"]),
-    default=None,
-    help="torch backend: weight-only int8 (per channel) or int4 (groups of 32) CPU linears "
-    "(opt-in, as `edgebuild run --quant`; outputs are the quantized model's).",
-)
+@quant_option()
 @click.option(
     "--graceful-shutdown-s",
     default=30.0,
