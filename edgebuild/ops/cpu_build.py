@@ -1,8 +1,9 @@
 """Build and load edgebuild's C++ CPU kernels (``ops/kernels/*.cpp``) at first use.
 
 Each source is compiled once with ``torch.utils.cpp_extension`` (g++ and ninja) into
-``$EDGEBUILD_CACHE/kernels`` (else ``$XDG_CACHE_HOME/edgebuild/kernels``, else
-``~/.cache/edgebuild/kernels``), in a folder named by the hash of the source, the flags, the
+``$EDGEBUILD_CACHE/kernels`` (the kernel cache alone), else ``$EDGEBUILD_CACHE_DIR/kernels``
+(under the engine cache, which that variable moves), else ``$XDG_CACHE_HOME/edgebuild/kernels``,
+else ``~/.cache/edgebuild/kernels``, in a folder named by the hash of the source, the flags, the
 torch version and the CPU's flags (a ``-march=native`` build never runs on another CPU), then
 loaded into the process as torch operators. A build takes ~10 s; later loads take
 milliseconds. An flock per kernel keeps concurrent processes from building it twice (and a
@@ -27,10 +28,12 @@ log = logging.getLogger("edgebuild.runtime")
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels live (module docstring)."""
-    root = os.environ.get("EDGEBUILD_CACHE")
+    """Where compiled kernels live: ``kernels/`` under ``$EDGEBUILD_CACHE``, else under the
+    engine cache's root (``$EDGEBUILD_CACHE_DIR``, :mod:`edgebuild.bundle.cache`, whose
+    default is the same ``~/.cache/edgebuild``), so one variable moves both caches."""
+    root = os.environ.get("EDGEBUILD_CACHE") or os.environ.get("EDGEBUILD_CACHE_DIR")
     if root:
-        return Path(root) / "kernels"
+        return Path(root).expanduser() / "kernels"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "edgebuild" / "kernels"
 
