@@ -13,7 +13,8 @@ from pathlib import Path
 
 import click
 
-from edgebuild.errors import EdgebuildError
+from edgebuild.cli_options import quant_option
+from edgebuild.errors import EdgebuildError, unreadable
 from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.select import BACKENDS
 from edgebuild.speculative.registry import speculative_help
@@ -32,7 +33,8 @@ def _ref(value, revision: str | None = None, what: str = "model"):
 
 
 def _friendly(fn):
-    """Turn EdgebuildError into `error: message` + exit code 2."""
+    """Turn EdgebuildError into `error: message` + exit code 2; so is an OSError on a named
+    path (an unreadable model file or folder: :func:`edgebuild.errors.unreadable`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -40,6 +42,11 @@ def _friendly(fn):
             return fn(*args, **kwargs)
         except EdgebuildError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
+            sys.exit(2)
+        except OSError as exc:
+            if exc.filename is None:
+                raise
+            click.secho(f"error: {unreadable(exc)}", fg="red", err=True)
             sys.exit(2)
 
     return wrapper
@@ -176,13 +183,7 @@ def doctor() -> None:
     show_default=True,
     help="CPU compute dtype; auto: bfloat16 where the CPU has native bf16, else float32.",
 )
-@click.option(
-    "--quant",
-    type=click.Choice(["int8", "int4"]),
-    default=None,
-    help="CPU backend: weight-only int8 (per channel) or int4 (groups of 32) linears (opt-in; "
-    "faster, outputs are the quantized model's).",
-)
+@quant_option()
 @click.option(
     "--backend",
     type=click.Choice(BACKENDS),

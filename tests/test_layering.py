@@ -39,6 +39,7 @@ UNITS = {
     "edgebuild.inspect": "app",
     "edgebuild.example": "app",
     "edgebuild.cli": "app",
+    "edgebuild.cli_options": "app",  # options shared by the two entry points
     "edgebuild.deploy": "app",
     "edgebuild.serve.cli": "app",  # the entry point composes serve, bundle and runtime
     "edgebuild.serve.__main__": "app",

@@ -64,12 +64,28 @@ SMALL_FILE = 1 << 20  # files up to this size are re-hashed on every hit
 RECORD_VERSION = 1
 
 
+KERNEL_ENV_VAR = "EDGEBUILD_CACHE"  # the CPU kernel cache alone (edgebuild.ops.cpu_build)
+_WARNED_LOOKALIKE = False
+
+
 def default_cache_dir() -> Path:
-    """``$EDGEBUILD_CACHE_DIR``, else ``$XDG_CACHE_HOME/edgebuild``, else ``~/.cache/edgebuild``."""
+    """``$EDGEBUILD_CACHE_DIR``, else ``$XDG_CACHE_HOME/edgebuild``, else ``~/.cache/edgebuild``.
+
+    ``$EDGEBUILD_CACHE`` (the CPU kernel cache's variable) does not move the engine cache; set
+    alone it is likely meant for it, so that is logged once as a warning naming both.
+    """
+    global _WARNED_LOOKALIKE
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(base).expanduser() / "edgebuild"
+    root = Path(base).expanduser() / "edgebuild"
+    if os.environ.get(KERNEL_ENV_VAR) and not _WARNED_LOOKALIKE:
+        _WARNED_LOOKALIKE = True
+        log.warning(
+            "$%s is set but only moves the CPU kernel cache; the engine cache is %s (set $%s "
+            "or --cache-dir to move it, and the kernels with it)", KERNEL_ENV_VAR, root, ENV_VAR,
+        )  # fmt: skip
+    return root
 
 
 def local_fingerprint(folder: Path) -> str:

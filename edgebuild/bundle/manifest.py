@@ -34,7 +34,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgebuild.errors import BundleError
+from edgebuild.errors import BundleError, unreadable
 
 FORMAT = "edgebuild-bundle"
 FORMAT_VERSION = 1
@@ -313,8 +313,16 @@ def engine_profiles(manifest: dict, role: str) -> list[tuple[str, dict[str, tupl
 
 
 def is_bundle(path: Path) -> bool:
-    """True when ``path`` is a directory with a ``manifest.json`` (complete or corrupt)."""
-    return (Path(path) / MANIFEST_NAME).is_file()
+    """True when ``path`` is a directory with a ``manifest.json`` (complete or corrupt).
+
+    Raises:
+        CheckpointError: ``path`` cannot be searched by this user (the message names it and
+            the permission fix).
+    """
+    try:
+        return (Path(path) / MANIFEST_NAME).is_file()
+    except OSError as exc:
+        raise unreadable(exc) from None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from edgebuild.errors import CheckpointError, ConfigError
+from edgebuild.errors import CheckpointError, ConfigError, unreadable
 from edgebuild.ops.mrope import check_mrope_section, parse_mrope
 from edgebuild.ops.rope import RopeScaling
 
@@ -64,14 +64,16 @@ def read_json(path: Path, what: str = "config") -> dict[str, Any]:
     """Read a JSON object from `path`.
 
     Raises:
-        CheckpointError: the file is missing, is not valid JSON or is not an object; the
-            message names the file and the problem.
+        CheckpointError: the file is missing, unreadable (permissions), is not valid JSON
+            or is not an object; the message names the file and the problem.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing {what} file")
     try:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing {what} file")
         data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise unreadable(exc, path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc}); re-export the {what}") from None
     if not isinstance(data, dict):

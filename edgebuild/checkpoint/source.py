@@ -27,7 +27,7 @@ from edgebuild.checkpoint.quant import (
     build_linear_weight,
     load_quant_config,
 )
-from edgebuild.errors import CheckpointError
+from edgebuild.errors import CheckpointError, unreadable
 
 log = logging.getLogger("edgebuild.checkpoint")
 
@@ -188,24 +188,28 @@ class WeightSource:
 
     Raises:
         CheckpointError: missing directory/config/weights, corrupt or truncated files, an
-            index naming a missing shard or a tensor its shard lacks.
+            index naming a missing shard or a tensor its shard lacks, a folder or file this
+            user cannot read (the message names it and the permission fix).
         QuantFormatError: an unsupported or malformed quantization config.
     """
 
     def __init__(self, path: str | Path, checkpoint_source: str = COMPONENT):
         self.path = Path(path)
-        if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: checkpoint directory not found")
         if checkpoint_source not in (COMPONENT, TARGET):
             raise ValueError("checkpoint_source must be 'component' or 'target'")
         self.checkpoint_source = checkpoint_source
         self.config_path = self.path / "config.json"
-        self.config: dict = read_json(self.config_path)
-        self.quant: QuantConfig = load_quant_config(self.path, self.config)
         self._infos: dict[str, TensorInfo] = {}
         self._handles: dict[Path, object] = {}
         self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
-        self._index_files()
+        try:  # an unreadable folder / file: a CheckpointError naming it and the fix
+            if not self.path.is_dir():
+                raise CheckpointError(f"{self.path}: checkpoint directory not found")
+            self.config: dict = read_json(self.config_path)
+            self.quant: QuantConfig = load_quant_config(self.path, self.config)
+            self._index_files()
+        except OSError as exc:
+            raise unreadable(exc, self.path) from None
 
     # ---------------------------------------------------------------- discovery
     def _index_files(self) -> None:

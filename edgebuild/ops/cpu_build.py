@@ -1,8 +1,9 @@
 """Build and load edgebuild's C++ CPU kernels (``ops/kernels/*.cpp``) at first use.
 
 Each source is compiled once with ``torch.utils.cpp_extension`` (g++ and ninja) into
-``$EDGEBUILD_CACHE/kernels`` (else ``$XDG_CACHE_HOME/edgebuild/kernels``, else
-``~/.cache/edgebuild/kernels``), in a folder named by the hash of the source, the flags, the
+``$EDGEBUILD_CACHE/kernels`` (the kernel cache alone), else ``$EDGEBUILD_CACHE_DIR/kernels``
+(under the engine cache, which that variable moves), else ``$XDG_CACHE_HOME/edgebuild/kernels``,
+else ``~/.cache/edgebuild/kernels``, in a folder named by the hash of the source, the flags, the
 torch version and the CPU's flags (a ``-march=native`` build never runs on another CPU), then
 loaded into the process as torch operators. A build takes ~10 s; later loads take
 milliseconds. An flock per kernel keeps concurrent processes from building it twice (and a
@@ -16,6 +17,8 @@ import hashlib
 import logging
 import os
 import platform
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,10 +28,12 @@ log = logging.getLogger("edgebuild.runtime")
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels live (module docstring)."""
-    root = os.environ.get("EDGEBUILD_CACHE")
+    """Where compiled kernels live: ``kernels/`` under ``$EDGEBUILD_CACHE``, else under the
+    engine cache's root (``$EDGEBUILD_CACHE_DIR``, :mod:`edgebuild.bundle.cache`, whose
+    default is the same ``~/.cache/edgebuild``), so one variable moves both caches."""
+    root = os.environ.get("EDGEBUILD_CACHE") or os.environ.get("EDGEBUILD_CACHE_DIR")
     if root:
-        return Path(root) / "kernels"
+        return Path(root).expanduser() / "kernels"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "edgebuild" / "kernels"
 
@@ -77,7 +82,13 @@ def build_and_load(source: Path, flags: list[str]) -> None:
     stamp (a truncated file crashed the process with SIGBUS when loaded) is deleted and
     rebuilt. A process that finds another one building waits for it and says so.
 
+    Ctrl-C during the build aborts it: SIGINT reaches ninja too, and its "interrupted by
+    user" failure is raised as KeyboardInterrupt (not a build error the callers fall back
+    from), also where the build runs off the main thread. No stamp is written, so the next
+    run rebuilds; the flock is released.
+
     Raises:
+        KeyboardInterrupt: the build was interrupted (:func:`interrupted`).
         Exception: whatever the compiler or ``torch.utils.cpp_extension`` raises; callers
             fall back to their torch path and say why in one line (:func:`first_error`).
     """
@@ -109,11 +120,16 @@ def build_and_load(source: Path, flags: list[str]) -> None:
                 return
             (out / "lock").unlink(missing_ok=True)
             (out / f"{name}.so").unlink(missing_ok=True)  # unstamped: maybe damaged, relink
-            cpp_extension.load(
-                name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
-                extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
-                verbose=False,
-            )  # fmt: skip
+            try:
+                cpp_extension.load(
+                    name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
+                    extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
+                    verbose=False,
+                )  # fmt: skip
+            except Exception as exc:
+                if interrupted(exc):  # Ctrl-C reached ninja: abort, as on the main thread
+                    raise KeyboardInterrupt(f"building {source.name} was interrupted") from exc
+                raise
             lib = out / f"{name}.so"
             tmp = out / f"{name}.so.sha256.tmp"
             tmp.write_text(_sha256(lib) + "\n")
@@ -129,6 +145,15 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether a ``cpp_extension`` build failure is ninja stopped by SIGINT (Ctrl-C), not a
+    compiler error: ninja killed by the signal, or its "interrupted by user" message."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, subprocess.CalledProcessError) and cause.returncode == -signal.SIGINT:
+        return True
+    return "build stopped: interrupted by user" in str(exc)
 
 
 def first_error(exc: BaseException) -> str:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import click
 
-from edgebuild.errors import EdgebuildError
+from edgebuild.cli_options import quant_option
+from edgebuild.errors import EdgebuildError, unreadable
 from edgebuild.runtime.cpu import DTYPE_CHOICES
 from edgebuild.runtime.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from edgebuild.serve.config import BACKENDS, ServeConfig
@@ -86,13 +87,7 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
     type=click.Choice(DTYPE_CHOICES),
     help="CPU compute dtype (auto: bfloat16 where the CPU has native bf16, else float32).",
 )
-@click.option(
-    "--quant",
-    type=click.Choice(["int8", "int4"]),
-    default=None,
-    help="torch backend: weight-only int8 (per channel) or int4 (groups of 32) CPU linears "
-    "(opt-in, as `edgebuild run --quant`; outputs are the quantized model's).",
-)
+@quant_option()
 @click.option(
     "--graceful-shutdown-s",
     default=30.0,
@@ -139,10 +134,19 @@ def main(log_level: str, **flags) -> None:
     except EdgebuildError as exc:
         click.secho(f"error: {exc}", fg="red", err=True)
         sys.exit(2)
+    except OSError as exc:  # an unreadable model folder or file: named, with the fix
+        if exc.filename is None:
+            raise
+        click.secho(f"error: {unreadable(exc)}", fg="red", err=True)
+        sys.exit(2)
     server = EdgeServer(None, log_level, startup=Startup(load), config=config)
     server.run()
     if server.startup_error is not None:
         exc = server.startup_error
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C during a kernel build: click's exit
+            raise KeyboardInterrupt from exc
+        if isinstance(exc, OSError) and exc.filename is not None:
+            exc = unreadable(exc)
         if not isinstance(exc, EdgebuildError):
             logging.getLogger("edgebuild.serve").error("start-up failed", exc_info=exc)
         click.secho(f"error: {exc}", fg="red", err=True)
