@@ -163,3 +163,42 @@ def test_a_damaged_cached_kernel_is_rebuilt_and_an_intact_one_loads_without_a_co
     bindir = os.path.dirname(sys.executable)
     err = run(PATH=bindir)  # no g++ on PATH: the intact library still loads
     assert "no C++ compiler" not in err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "past,lengths,rotary",
+    [([5], [1], 16), ([7], [8], 16), ([3, 0, 9], [8, 2, 5], 16), ([6, 2], [3, 3], 8)],
+    ids=["decode", "verify", "batched-unequal", "partial-rotary"],
+)
+def test_fused_decode_step_equals_the_torch_ops_bit_for_bit(
+    past, lengths, rotary, dtype, monkeypatch
+):
+    """attention_kernel.decode_step (RoPE + K/V write + attention in C++) against the same
+    step as torch ops + decode_attention: the output and the whole pool, bit for bit."""
+    import edgebuild.ops.attention_fast as fast
+
+    if not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    hq, hkv = 4, 2
+    qkv, cache, table, positions = setup(past, lengths, hq, hkv, seed=3)
+    qkv, cache = qkv.to(dtype), cache.to(dtype)
+    table_cs = rope_cos_sin_table(rotary, 128, RopeScaling(rope_theta=1e4))
+    past_t = torch.tensor(past, dtype=torch.int32)
+    len_t = torch.tensor(lengths, dtype=torch.int32)
+    spec = AttentionSpec(
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, causal=True, write_kv=True,
+        sliding_window=0, scale=D**-0.5,
+    )  # fmt: skip
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(fast, "FUSED_STEP", fused)
+        plan = DensePlan.build(table, past_t, len_t, qkv.shape[1], PAGE, True, True)
+        assert plan.row_invariant
+        c = cache.clone()
+        out = paged_attention_planned(qkv, c, plan, positions, table_cs, None, None, spec)
+        results.append((out, c))
+    (out_f, cache_f), (out_t, cache_t) = results
+    assert torch.equal(out_f, out_t)
+    assert torch.equal(cache_f, cache_t)
+    assert not torch.equal(cache_f, cache)  # the rows' K/V were written

@@ -249,6 +249,11 @@ def paged_attention_planned(
     return out.to(qkv.dtype)
 
 
+# Layers without q/k norms run a decode step's RoPE, K/V write and attention as one C++ call
+# (attention_kernel.decode_step); False runs them as torch ops + decode_attention (same bits).
+FUSED_STEP = True
+
+
 def _rope_rows(plan: DensePlan, positions: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     """(cos, sin) fp32 [B, S, 1, rotary_dim / 2] of this step's positions, built once a step."""
     key = ("rope", table.data_ptr(), tuple(table.shape))
@@ -288,6 +293,16 @@ def _decode_step(
     bsz, rows, width, d = heads.shape
     hkv = (width - hq) // 2
     dtype = heads.dtype
+    if (
+        FUSED_STEP
+        and q_norm_weight is None
+        and k_norm_weight is None
+        and heads.is_contiguous()
+        and attention_kernel.usable(dtype, kv_cache, d)
+    ):  # one C++ call: RoPE, the K/V write and the attention (the same bits as below)
+        return _fused_step(
+            heads, kv_cache, plan, positions, rope_cos_sin, hq, sliding_window, scale
+        )
     if q_norm_weight is None and k_norm_weight is None:
         qk = heads[:, :, : hq + hkv]
     else:
@@ -319,6 +334,39 @@ def _decode_step(
         out[wb, wi] = o
         return out
     return _sdpa_rows(qk, kv_cache, plan, mask, out, hq, scale)
+
+
+def _fused_step(
+    heads: Tensor, kv_cache: Tensor, plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor,
+    hq: int, sliding_window: int, scale: float,
+) -> Tensor:  # fmt: skip
+    """:func:`_decode_step` through :func:`edgebuild.ops.attention_kernel.decode_step`; the
+    step's inputs (cos/sin rows, int64 indices, each row's mask) are built once per step and
+    shared by the layers (``plan._memo``)."""
+    bsz, rows, _, d = heads.shape
+    key = ("fused", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape), sliding_window)
+    args = plan._memo.get(key)
+    if args is None:
+        if rope_cos_sin.shape[1]:
+            cos, sin = (
+                t.squeeze(2).contiguous() for t in _rope_rows(plan, positions, rope_cos_sin)
+            )
+        else:
+            cos = sin = torch.zeros(bsz, rows, 0)
+        wb, wi = plan.write_b.long().contiguous(), plan.write_i.long().contiguous()
+        mask = plan.mask_for(sliding_window)[wb, wi].contiguous()  # [R, T]
+        args = plan._memo[key] = (
+            cos, sin, wb, wi, plan.write_pages.long().contiguous(),
+            plan.write_offsets.long().contiguous(), plan.page_table.long().contiguous(), mask,
+        )  # fmt: skip
+    o = attention_kernel.decode_step(heads, kv_cache, *args, hq, scale)
+    wb, wi = args[2], args[3]
+    if wb.numel() == bsz * rows:  # every row is valid (a lone sequence's decode / verify)
+        return o.view(bsz, rows, hq * d)
+    out = heads.new_zeros(bsz, rows, hq * d)
+    if wb.numel():
+        out[wb, wi] = o
+    return out
 
 
 def _sdpa_rows(

@@ -116,3 +116,46 @@ def decode_attention(
         q.contiguous(), cache, page_table.long().contiguous(), row_b.long(), mask.contiguous(),
         float(scale),
     )  # fmt: skip
+
+
+def decode_step(
+    heads: torch.Tensor,
+    cache: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write_b: torch.Tensor,
+    write_i: torch.Tensor,
+    write_pages: torch.Tensor,
+    write_offsets: torch.Tensor,
+    page_table: torch.Tensor,
+    mask: torch.Tensor,
+    hq: int,
+    scale: float,
+) -> torch.Tensor:
+    """A layer's decode / verify attention (no q/k norms) in one call: RoPE on the valid rows'
+    q and k, their K/V written to the pool, then :func:`decode_attention`.
+
+    The rotation is :func:`edgebuild.ops.rope.rotate_with`'s, operation for operation (fp32,
+    each product and sum rounded on its own, one rounding to the model dtype), so the pool and
+    the output equal the torch ops' bit for bit (tests/test_attention_fast.py).
+
+    Args:
+        heads: contiguous [B, S, Hq + 2 * Hkv, D] the projected rows, bf16 or fp32.
+        cache: [num_pages, 2, Hkv, page_size, D] the KV pool in heads' dtype; written in place.
+        cos, sin: fp32 contiguous [B, S, rotary_dim / 2] the rows' RoPE halves (rotary_dim 0:
+            no rotation; channels past rotary_dim pass through).
+        write_b, write_i: int64 [R] batch / row index of each valid row.
+        write_pages, write_offsets: int64 [R] the pool page and slot of each valid row's K/V.
+        page_table: int64 [B, pages]; mask: bool [R, T] the key columns each row sees.
+        hq: query heads; scale: the softmax scale.
+
+    Returns:
+        [R, Hq * D] in heads' dtype.
+
+    Raises:
+        RuntimeError: shapes, dtypes or indices outside the above (the message names them).
+    """
+    return torch.ops.edgebuild_attn.decode_step(
+        heads, cache, cos, sin, write_b, write_i, write_pages, write_offsets, page_table, mask,
+        hq, float(scale),
+    )  # fmt: skip

@@ -136,10 +136,112 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
   return out.view({R, Hq * D});
 }
 
+// One decode / verify step's attention of a layer without q/k norms, in one call: the valid
+// rows' q and k rotated ("rotate half" RoPE, as edgebuild.ops.rope.rotate_with: fp32
+// x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product and sum rounded on its own, then one
+// rounding to the model dtype), k and v written to their cache slots, then `run` above.
+// What the torch ops of attention_fast._decode_step computed in ~10 calls per layer.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate_row(const T* x, const float* c,
+                                                              const float* s, int64_t half,
+                                                              int64_t D, T* out) {
+  for (int64_t j = 0; j < half; ++j) {
+    const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
+    const float a = x1 * c[j], b = x2 * s[j], e = x2 * c[j], f = x1 * s[j];
+    out[j] = static_cast<T>(a - b);
+    out[j + half] = static_cast<T>(e + f);
+  }
+  for (int64_t j = 2 * half; j < D; ++j) out[j] = x[j];
+}
+
+template <typename T>
+void step(const T* heads, T* cache, const float* cos, const float* sin, int64_t half,
+          const int64_t* wb, const int64_t* wi, const int64_t* wpage, const int64_t* woff,
+          int64_t R, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t ps, T* q) {
+  const int64_t W = Hq + 2 * Hkv, s_head = ps * D, s_kv = Hkv * s_head, s_page = 2 * s_kv;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row = wb[r] * S + wi[r];
+    const T* x = heads + row * W * D;
+    const float* c = cos + row * half;
+    const float* sn = sin + row * half;
+    for (int64_t h = 0; h < Hq; ++h) rotate_row(x + h * D, c, sn, half, D, q + (r * Hq + h) * D);
+    T* slot = cache + wpage[r] * s_page + woff[r] * D;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      rotate_row(x + (Hq + h) * D, c, sn, half, D, slot + h * s_head);
+      std::memcpy(slot + s_kv + h * s_head, x + (Hq + Hkv + h) * D, D * sizeof(T));
+    }
+  }
+}
+
+at::Tensor decode_step(const at::Tensor& heads, at::Tensor cache, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& write_b,
+                       const at::Tensor& write_i, const at::Tensor& write_pages,
+                       const at::Tensor& write_offsets, const at::Tensor& page_table,
+                       const at::Tensor& mask, int64_t hq, double scale) {
+  TORCH_CHECK(heads.dim() == 4 && heads.is_contiguous(),
+              "decode_step: heads must be contiguous [B, S, Hq + 2 * Hkv, D]");
+  const int64_t B = heads.size(0), S = heads.size(1), D = heads.size(3);
+  const int64_t Hkv = (heads.size(2) - hq) / 2, R = write_b.numel();
+  TORCH_CHECK(hq > 0 && Hkv > 0 && hq + 2 * Hkv == heads.size(2) && hq % Hkv == 0,
+              "decode_step: head counts do not match heads' width");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.size(2) == Hkv &&
+                  cache.size(4) == D && cache.is_contiguous() &&
+                  cache.scalar_type() == heads.scalar_type() && D % kLanes == 0,
+              "decode_step: cache must be [P, 2, Hkv, page_size, D] in heads' dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == sin.numel() &&
+                  cos.numel() % (B * S) == 0 && 2 * (cos.numel() / (B * S)) <= D,
+              "decode_step: cos / sin must be fp32 [B, S, rotary_dim / 2]");
+  for (const at::Tensor* t : {&write_b, &write_i, &write_pages, &write_offsets})
+    TORCH_CHECK(t->dim() == 1 && t->numel() == R && t->scalar_type() == at::kLong &&
+                    t->is_contiguous(),
+                "decode_step: write_b / write_i / write_pages / write_offsets: int64 [R]");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong &&
+                  page_table.is_contiguous() && page_table.size(0) == B,
+              "decode_step: page_table must be int64 [B, pages]");
+  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == R && mask.scalar_type() == at::kBool &&
+                  mask.is_contiguous(),
+              "decode_step: mask must be bool [R, T]");
+  const int64_t half = cos.numel() / (B * S), ps = cache.size(3), P = cache.size(0);
+  const int64_t *wb = write_b.data_ptr<int64_t>(), *wi = write_i.data_ptr<int64_t>(),
+                *wp = write_pages.data_ptr<int64_t>(), *wo = write_offsets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(wb[r] >= 0 && wb[r] < B && wi[r] >= 0 && wi[r] < S && wp[r] >= 0 && wp[r] < P &&
+                    wo[r] >= 0 && wo[r] < ps,
+                "decode_step: row ", r, " writes outside the batch or the pool");
+  auto q = at::empty({R, hq, D}, heads.options());
+  auto out = at::empty({R, hq, D}, heads.options());
+  if (R == 0) return out.view({R, hq * D});
+  const int64_t keys = mask.size(1), npages = page_table.size(1);
+  if (heads.scalar_type() == at::kBFloat16) {
+    using T = c10::BFloat16;
+    step<T>(heads.data_ptr<T>(), cache.data_ptr<T>(), cos.data_ptr<float>(),
+            sin.data_ptr<float>(), half, wb, wi, wp, wo, R, S, hq, Hkv, D, ps, q.data_ptr<T>());
+    run<T>(q.data_ptr<T>(), cache.data_ptr<T>(), page_table.data_ptr<int64_t>(), npages, wb,
+           mask.data_ptr<bool>(), out.data_ptr<T>(), R, hq, Hkv, D, ps, keys,
+           static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(heads.scalar_type() == at::kFloat, "decode_step: bf16 or fp32 only");
+    step<float>(heads.data_ptr<float>(), cache.data_ptr<float>(), cos.data_ptr<float>(),
+                sin.data_ptr<float>(), half, wb, wi, wp, wo, R, S, hq, Hkv, D, ps,
+                q.data_ptr<float>());
+    run<float>(q.data_ptr<float>(), cache.data_ptr<float>(), page_table.data_ptr<int64_t>(),
+               npages, wb, mask.data_ptr<bool>(), out.data_ptr<float>(), R, hq, Hkv, D, ps, keys,
+               static_cast<float>(scale));
+  }
+  return out.view({R, hq * D});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgebuild_attn, m) {
   m.def("decode_attention(Tensor q, Tensor cache, Tensor page_table, Tensor row_b, Tensor mask, "
         "float scale) -> Tensor");
+  m.def("decode_step(Tensor heads, Tensor(a!) cache, Tensor cos, Tensor sin, Tensor write_b, "
+        "Tensor write_i, Tensor write_pages, Tensor write_offsets, Tensor page_table, "
+        "Tensor mask, int hq, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_step", &decode_step);
+}
