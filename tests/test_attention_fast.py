@@ -202,3 +202,30 @@ def test_fused_decode_step_equals_the_torch_ops_bit_for_bit(
     assert torch.equal(out_f, out_t)
     assert torch.equal(cache_f, cache_t)
     assert not torch.equal(cache_f, cache)  # the rows' K/V were written
+
+
+def test_kernel_thread_pool_rethrows_a_chunk_error_and_keeps_working():
+    """The kernels' own parallel-for (kernels/pool.h) runs chunks on worker threads: an error
+    in one (a key past the page table) reaches the caller as RuntimeError, nothing dies, and
+    the next call at 2 threads gives the 1-thread bits."""
+    if not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, rows = 8, 2, 6
+    cache = torch.randn(8, 2, hkv, PAGE, D, generator=g)
+    q = torch.randn(rows, hq, D, generator=g)
+    table = torch.arange(8).reshape(1, 8)
+    row_b = torch.zeros(rows, dtype=torch.long)
+    mask = torch.ones(rows, 8 * PAGE, dtype=torch.bool)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attention_kernel.decode_attention(q, cache, table, row_b, mask, D**-0.5)
+        torch.set_num_threads(2)
+        bad = torch.ones(rows, 9 * PAGE, dtype=torch.bool)  # one page more than the table has
+        with pytest.raises(RuntimeError, match="past the page table"):
+            attention_kernel.decode_attention(q, cache, table, row_b, bad, D**-0.5)
+        two = attention_kernel.decode_attention(q, cache, table, row_b, mask, D**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)

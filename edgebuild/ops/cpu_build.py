@@ -51,9 +51,11 @@ def cpu_flags() -> set[str]:
 
 
 def library_name(source: Path, flags: list[str]) -> str:
-    """The cache folder / library name of ``source`` built with ``flags`` here."""
+    """The cache folder / library name of ``source`` built with ``flags`` here (the headers
+    beside it, which the sources include, are part of the hash)."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     ident = b"\0".join(
-        [source.read_bytes(), " ".join(["-fopenmp", *flags]).encode(), torch.__version__.encode(),
+        [source.read_bytes(), headers, " ".join(["-fopenmp", *flags]).encode(), torch.__version__.encode(),
          platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()]
     )  # fmt: skip
     return f"edgebuild_{source.stem}_{hashlib.sha256(ident).hexdigest()[:16]}"

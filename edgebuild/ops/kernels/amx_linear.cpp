@@ -35,6 +35,8 @@
 #include <cstring>
 #include <vector>
 
+#include "pool.h"
+
 namespace {
 
 constexpr int kGroup = 32;  // k per scale (INT4_GROUP_SIZE)
@@ -218,11 +220,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Te
     }
     release();
   };
-  if (at::get_num_threads() == 1 || at::in_parallel_region()) {
-    work(0, triples);  // no OpenMP region for one thread (the split never changes a bit)
-  } else {
-    at::parallel_for(0, triples, 4, work);
-  }
+  eb_pool::parallel_for(triples, 4, work);  // the split never changes a bit
   return y;
 }
 
@@ -373,11 +371,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& w,
       }
       release();
     };
-    if (at::get_num_threads() == 1 || at::in_parallel_region()) {
-      work(0, pairs);
-    } else {
-      at::parallel_for(0, pairs, 4, work);
-    }
+    eb_pool::parallel_for(pairs, 4, work);
     return padded == rows ? y : y.narrow(0, 0, rows);
   }
   const int64_t triples = (NB + kNC - 1) / kNC;
@@ -393,11 +387,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& w,
     }
     release();
   };
-  if (at::get_num_threads() == 1 || at::in_parallel_region()) {
-    work(0, triples);
-  } else {
-    at::parallel_for(0, triples, 4, work);
-  }
+  eb_pool::parallel_for(triples, 4, work);
   return y;
 }
 

@@ -19,7 +19,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <algorithm>
 #include <vector>
+
+#include "pool.h"
 
 namespace {
 
@@ -55,7 +58,8 @@ void run(const T* q, const T* cache, const int64_t* table, int64_t npages, const
   const int64_t group = Hq / Hkv;
   // cache [P, 2, Hkv, ps, D]
   const int64_t s_head = ps * D, s_kv = Hkv * s_head, s_page = 2 * s_kv;
-  at::parallel_for(0, R * Hq, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t per = std::max<int64_t>(1, R * Hq / 8);
+  eb_pool::parallel_for(R * Hq, per, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(D), kf(D), acc(D), scores(keys);
     std::vector<int64_t> idx(keys);
     for (int64_t i = i0; i < i1; ++i) {
