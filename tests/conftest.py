@@ -41,18 +41,59 @@ def _examples_lock(name: str):
     return FileLock(str(ROOT / "examples" / f".{name}.lock"))
 
 
+def _proc_status_kb(*fields: str) -> dict[str, int]:
+    """Fields of ``/proc/self/status`` in kB (``VmRSS``, ``VmHWM``); {} where there is none."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in fields:
+                out[name] = int(value.split()[0])
+    return out
+
+
+def _reset_peak_rss() -> None:
+    """Restart ``VmHWM`` from the current RSS (Linux: ``5`` to ``/proc/self/clear_refs``)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _give_memory_back_after_each_module():
+def _give_memory_back_after_each_module(request):
     """After each test module: collect the models it left in reference cycles and hand the
     freed heap back to the OS (glibc ``malloc_trim``). Without it a worker's RSS only grows
-    from file to file (13.6 GB seen for one of two xdist workers, OOM-killed on 24 GiB)."""
+    from file to file (13.6 GB seen for one of two xdist workers, OOM-killed on 24 GiB).
+
+    With ``EDGEBUILD_TEST_RSS_LOG=<path>`` each module appends one JSON line to ``<path>``: the
+    worker, the file, its peak RSS (``VmHWM``, reset when the module starts), and the RSS when
+    it ends, before and after the collection (MiB)."""
+    log = os.environ.get("EDGEBUILD_TEST_RSS_LOG")
+    if log:
+        _reset_peak_rss()
+        start = _proc_status_kb("VmRSS").get("VmRSS", 0)
     yield
     import ctypes
     import gc
 
+    if log:
+        before = _proc_status_kb("VmRSS", "VmHWM")
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if log:
+        import json
+
+        after = _proc_status_kb("VmRSS")
+        row = {
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            "module": request.node.nodeid,
+            "start_mib": start // 1024,
+            "peak_mib": before.get("VmHWM", 0) // 1024,
+            "end_mib": before.get("VmRSS", 0) // 1024,
+            "trimmed_mib": after.get("VmRSS", 0) // 1024,
+        }
+        with open(log, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(autouse=True, scope="session")
