@@ -41,18 +41,86 @@ def _examples_lock(name: str):
     return FileLock(str(ROOT / "examples" / f".{name}.lock"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _give_memory_back_after_each_module():
-    """After each test module: collect the models it left in reference cycles and hand the
-    freed heap back to the OS (glibc ``malloc_trim``). Without it a worker's RSS only grows
-    from file to file (13.6 GB seen for one of two xdist workers, OOM-killed on 24 GiB)."""
-    yield
+def _proc_status_kb(*fields: str) -> dict[str, int]:
+    """Fields of ``/proc/self/status`` in kB (``VmRSS``, ``VmHWM``); {} where there is none."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in fields:
+                out[name] = int(value.split()[0])
+    return out
+
+
+def _reset_peak_rss() -> None:
+    """Restart ``VmHWM`` from the current RSS (Linux: ``5`` to ``/proc/self/clear_refs``)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _forget_fastapi_endpoints() -> None:
+    """Empty FastAPI's callable-classification caches (``functools.lru_cache``, 4096 entries in
+    ``fastapi.dependencies.models``): they hold every endpoint function ever served, and the
+    app's endpoints close over the app, its ``ServeState`` and so the served LLM. Each server a
+    test starts would keep its models (GBs) alive for the rest of the worker (measured: RSS
+    4.2 -> 18.4 GB over the serve files in one process)."""
+    import sys
+
+    models = sys.modules.get("fastapi.dependencies.models")
+    for value in list(vars(models).values()) if models is not None else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+def _give_memory_back() -> None:
+    """Collect the models left in reference cycles and hand the freed heap back to the OS
+    (glibc ``malloc_trim``)."""
     import ctypes
     import gc
 
+    _forget_fastapi_endpoints()
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+_module_start_mib: dict[str, int] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each test module: :func:`_give_memory_back`. Without it a worker's RSS only grows
+    from file to file (13.6 GB seen for one of two xdist workers, OOM-killed on 24 GiB). It
+    runs here, after the module's last test, not in a module fixture's teardown: there the
+    last test's fixture values (``item.funcargs``) are still referenced and nothing they hold
+    can be freed yet.
+
+    With ``EDGEBUILD_TEST_RSS_LOG=<path>`` each module appends one JSON line to ``<path>``: the
+    worker, the file, its peak RSS (``VmHWM``, reset when the module starts), and the RSS when
+    it ends, before and after giving memory back (MiB)."""
+    log = os.environ.get("EDGEBUILD_TEST_RSS_LOG")
+    module = item.nodeid.split("::")[0]
+    if log and module not in _module_start_mib:
+        _reset_peak_rss()
+        _module_start_mib[module] = _proc_status_kb("VmRSS").get("VmRSS", 0) // 1024
+    yield
+    if nextitem is not None and nextitem.nodeid.split("::")[0] == module:
+        return
+    before = _proc_status_kb("VmRSS", "VmHWM") if log else {}
+    _give_memory_back()
+    if log:
+        import json
+
+        row = {
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            "module": module,
+            "start_mib": _module_start_mib.get(module, 0),
+            "peak_mib": before.get("VmHWM", 0) // 1024,
+            "end_mib": before.get("VmRSS", 0) // 1024,
+            "trimmed_mib": _proc_status_kb("VmRSS").get("VmRSS", 0) // 1024,
+        }
+        with open(log, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -83,9 +151,11 @@ def smollm2_dir() -> Path:
         pytest.skip(f"example model unavailable: {exc}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_llm(smollm2_dir):
-    """A target-only LLM on the real SmolLM2 checkpoint (loaded once per session)."""
+    """A target-only LLM on the real SmolLM2 checkpoint, loaded once per test module (~9 s)
+    and freed after it: in fp32 it holds ~2.9 GB (weights and KV pools), which a session
+    scope kept for the rest of the worker, on top of every later file's own models."""
     from edgebuild.runtime.llm import LLM
 
     return LLM(smollm2_dir)
