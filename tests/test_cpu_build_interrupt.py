@@ -22,7 +22,13 @@ from click.testing import CliRunner
 from edgebuild.ops import amx_linear, attention_kernel, cpu_build
 
 INTERRUPTED = 'echo "ninja: build stopped: interrupted by user."; exit 2'
-KILLED = "kill -INT $$; sleep 5"  # ninja itself killed by the signal (return code -2)
+# ninja itself killed by the signal (return code -2). Not `kill -INT $$` in the shell: a
+# process that inherited SIGINT ignored (a background job, or an earlier test of the same
+# xdist worker) cannot reset it in sh, so the "killed" ninja slept and exited 0 (CI failure).
+KILLED = (
+    f'exec "{sys.executable}" -c "import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL);'
+    ' os.kill(os.getpid(), signal.SIGINT)"'
+)
 FAILED = 'echo "x.cpp:1:1: error: expected unqualified-id"; exit 1'
 
 
