@@ -38,6 +38,16 @@ def unpack(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return codes[:n]
 
 
+def _at_two_threads(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) run with 2 threads (the thread count restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        return fn(x)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_pack_layout_round_trips_the_codes_and_scales():
     torch.manual_seed(0)
     n, k = 20, 64  # not a whole number of 16-column blocks: 12 padding columns
@@ -94,12 +104,7 @@ def test_packed_linear_uses_the_kernel_with_bias_and_two_threads():
     y = packed(x)
     assert y.shape == (3, 5, 40) and y.dtype == torch.bfloat16
     assert (y.float() - ref).abs().max().item() < 0.05
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(packed(x), y)  # the column split across threads changes no bits
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(_at_two_threads(packed, x), y)  # the split across threads changes no bits
 
 
 def test_mode_torch_and_bad_modes(monkeypatch):
@@ -205,12 +210,7 @@ def test_packed_linear_bf16_uses_the_kernel_with_two_threads_and_the_switch(monk
     y = packed(x)
     assert y.shape == (3, 5, 48) and y.dtype == torch.bfloat16
     assert (y.double() - ref).abs().max().item() < 0.03
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(packed(x), y)  # the column split across threads changes no bits
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(_at_two_threads(packed, x), y)  # the split across threads changes no bits
     monkeypatch.setenv(amx_linear.BF16_ENV, "onednn")
     amx_linear._reset()
     try:
