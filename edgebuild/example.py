@@ -97,7 +97,7 @@ def prepare_smollm2(out_dir: Path, dtype: str = "bfloat16", force: bool = False)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        _save_dequantized(model, tmp)
         tok.save_pretrained(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -106,6 +106,28 @@ def prepare_smollm2(out_dir: Path, dtype: str = "bfloat16", force: bool = False)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _save_dequantized(model, out: Path) -> None:
+    """Write a model that transformers loaded from GGUF (weights already dequantized to
+    ``model.dtype``) as a plain HF checkpoint: ``model.safetensors`` (the tied ``lm_head`` left
+    out, as ``save_pretrained`` does), ``config.json`` and ``generation_config.json``.
+
+    Why not ``save_pretrained``: transformers >= 5.17 marks a GGUF-loaded model as quantized
+    with QuantizationMethod.GGUF and refuses to serialize it ("not serializable"); the tensors
+    are plain bf16/fp32 either way. The files equal what ``save_pretrained`` wrote under 5.14.
+    """
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config  # the GGUF marker: these weights are dense
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
 
 
 def _is_prepared_nvfp4(path: Path) -> bool:
