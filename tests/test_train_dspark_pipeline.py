@@ -186,6 +186,22 @@ def test_an_interrupted_training_run_resumes_to_the_same_weights(tiny):
     assert "lm_head.weight" not in ckpt and "embed_tokens.weight" not in ckpt
 
 
+def test_a_time_budget_sets_the_step_count_after_the_timed_steps(tiny):
+    """--budget-minutes: steps 5..25 are timed, then the run is cut to what fits. A budget far
+    below 25 steps' time leaves exactly step 26 (the schedule then ends at it); an ample one
+    runs every --steps."""
+    root, target = tiny
+    feats = root / "feats"
+    _train(target, feats, root / "short", "--steps", "200", "--budget-minutes", "1e-5")
+    steps = [json.loads(x)["step"] for x in (root / "short" / "train_log.jsonl").open()]
+    assert steps == list(range(1, 27))
+    assert json.loads((root / "short" / "summary.json").read_text())["steps"] == 26
+    assert torch.load(root / "short" / "train_state.pt", weights_only=False)["step"] == 26
+    _train(target, feats, root / "ample", "--steps", "30", "--budget-minutes", "60")
+    steps = [json.loads(x)["step"] for x in (root / "ample" / "train_log.jsonl").open()]
+    assert steps == list(range(1, 31))
+
+
 def _held_out_topics() -> list[str]:
     rng = random.Random(0)  # prompts.make_prompts(seed=0): shuffle, the first sixth held out
     topics = list(TOPICS)

@@ -22,6 +22,8 @@ GEN_MINUTES=${GEN_MINUTES:-5}           # generation stops at whichever budget c
 GEN_BATCH=${GEN_BATCH:-1024}
 MAX_NEW=${MAX_NEW:-128}
 STEPS=${STEPS:-3000}
+TRAIN_MINUTES=${TRAIN_MINUTES:-0}       # > 0: the step count becomes what fits (train.py --budget-minutes)
+RESUME_FROM=${RESUME_FROM:-}            # a draft folder to warm-start from instead of --init-from
 SEQS=${SEQS:-64}
 ANCHORS=${ANCHORS:-48}
 LR=${LR:-2e-3}
@@ -50,10 +52,13 @@ $PY -m tools.train_dspark.regenerate --target "$TARGET" --batch 64 --max-new-tok
     --threads "$THREADS" --device "$DEVICE" --limit "$EVAL_LIMIT" \
     --prompts tools/train_dspark/data/eval_prompts.jsonl --out "$OUT/cache/eval_answers.jsonl"
 stamp "training: $STEPS steps x $SEQS sequences x $ANCHORS anchors (online features)"
+init=(--init-from $INIT_FROM)
+[[ -n "$RESUME_FROM" ]] && init=(--resume-from "$RESUME_FROM" --val-first)
 # shellcheck disable=SC2086
 $PY -m tools.train_dspark.train --target "$TARGET" --answers "$OUT/cache/answers.jsonl" \
     --val-answers "$OUT/cache/eval_answers.jsonl" --out "$OUT/run" --device "$DEVICE" \
-    --layers "$LAYERS" --init-from $INIT_FROM --steps "$STEPS" --seqs-per-step "$SEQS" \
+    --layers "$LAYERS" "${init[@]}" --steps "$STEPS" --budget-minutes "$TRAIN_MINUTES" \
+    --seqs-per-step "$SEQS" \
     --anchors "$ANCHORS" --lr "$LR" --warmup $((STEPS / 30 + 1)) --threads "$THREADS" \
     --val-every $((STEPS / 5 + 1)) --save-every $((STEPS / 10 + 1)) --val-limit "$VAL_LIMIT"
 mkdir -p "$DRAFT_OUT"

@@ -306,6 +306,14 @@ def main() -> None:
     ap.add_argument("--taps", type=int, nargs="+", default=[1, 14, 27], help="with --answers")
     ap.add_argument("--topk", type=int, default=32, help="with --answers")
     ap.add_argument("--stop-after", type=int, default=0, help="stop (saved) at this step")
+    ap.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=0,
+        help="wall-clock budget of the training loop: after 20 timed steps the run's step count "
+        "(and so its lr schedule) becomes min(--steps, what fits in the budget, 10%% held back "
+        "for validation and saving); 0: run --steps",
+    )
     ap.add_argument("--val-first", action="store_true", help="also validate before step 1")
     ap.add_argument(
         "--resume-from",
@@ -424,7 +432,22 @@ def main() -> None:
         log.write(json.dumps(rec0) + "\n")
         log.flush()
         print(json.dumps(rec0), flush=True)
-    for step in range(first, args.steps):
+    total = args.steps
+    probe_from, probe_t = first + 5, 0.0  # the first steps warm up (allocator, autotuning)
+    step = first - 1
+    while step + 1 < total:
+        step += 1
+        if args.budget_minutes and step == probe_from:
+            probe_t = time.perf_counter()
+        if args.budget_minutes and step == probe_from + 20:
+            per_step = (time.perf_counter() - probe_t) / 20
+            left = 60 * args.budget_minutes * 0.9 - (time.perf_counter() - t0)
+            total = max(step + 1, min(args.steps, step + int(left / per_step)))
+            print(
+                f"budget {args.budget_minutes} min: {per_step * 1e3:.0f} ms a step -> "
+                f"{total} steps (of --steps {args.steps})",
+                flush=True,
+            )
         if len(order) < args.seqs_per_step:
             more = list(range(len(seqs)))
             rng.shuffle(more)
@@ -437,7 +460,7 @@ def main() -> None:
         else:
             batch, final, topk = make_batch(seqs, picks, args.anchors, rng)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            g["lr"] = lr_at(step, total, args.lr, args.warmup)
         loss, out = block_losses(
             model,
             batch.to(args.device),
@@ -458,7 +481,7 @@ def main() -> None:
         )
         rec["tokens"] = (step + 1) * args.seqs_per_step * args.anchors * args.block_size
         rec["elapsed_s"] = round(elapsed0 + time.perf_counter() - t0, 1)
-        if val and ((step + 1) % args.val_every == 0 or step + 1 == args.steps):
+        if val and ((step + 1) % args.val_every == 0 or step + 1 == total):
             rec["val"] = validate(
                 model, val, val_anchors, args.seqs_per_step, args.seed, args.device
             )
@@ -475,9 +498,9 @@ def main() -> None:
             print(f"stopped after step {step + 1} (resumable)", flush=True)
             return
     save_checkpoint(model, draft_cfg, args.out / "checkpoint")
-    save_state(args.out / "train_state.pt", model, opt, args.steps, rng, order, gen)
+    save_state(args.out / "train_state.pt", model, opt, total, rng, order, gen)
     summary = {
-        "steps": args.steps,
+        "steps": total,
         "train_s": round(elapsed0 + time.perf_counter() - t0, 1),
         "sequences": len(seqs),
         "answer_tokens": n_tok,
