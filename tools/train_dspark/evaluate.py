@@ -34,6 +34,8 @@ def run_pair(target: Path, draft: Path, prompts: list[str], args) -> dict:
     spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": args.n}
     if args.top_k is not None:  # else the draft's markov_topk (config.json), else 16
         spec["draft_top_k"] = args.top_k
+    if args.fixed:  # every step verifies all n drafts: tau is the draft's, not the scheduler's
+        spec["confidence_scheduling"] = False
     options = None if args.dtype is None else RuntimeOptions(dtype=getattr(torch, args.dtype))
     llm = LLM(target, speculative=spec, options=options)
     plain = llm.without_draft()  # the same target weights, no draft
@@ -120,6 +122,12 @@ def main() -> None:
     ap.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default=None, help="default: the runtime's"
     )
+    ap.add_argument(
+        "--fixed",
+        action="store_true",
+        help="fixed-length speculation (confidence_scheduling false): measures the draft's "
+        "tau; by default the scheduler may verify fewer drafts, or none, where they do not pay",
+    )
     ap.add_argument("--report-only", action="store_true", help="Merge eval_*.json, plot.")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -138,6 +146,7 @@ def main() -> None:
             num_speculative_tokens=args.n,
             draft_top_k=default_draft_top_k(args.draft) if args.top_k is None else args.top_k,
             greedy=True,
+            confidence_scheduling=not args.fixed,
             dtype=args.dtype or "runtime default",
             eval_wall_s=round(time.perf_counter() - t0, 1),
         )
