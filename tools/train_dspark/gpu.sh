@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The example draft's pipeline on one accelerator (prepared for a lent H200; NOT yet run on one):
+# The example draft's pipeline on one accelerator (run on a lent H200 on 2026-12-04: the model card):
 # self-instruct prompts + the template pool in 4 phrasings, >= 10M greedy answer tokens by the
 # target (transformers generate, bf16, large batches), then training with online features
 # (the target runs inside each step: a 10M-token feature cache would be ~60 GB), writing the
