@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from edgebuild.ops import f32_linear
 from edgebuild.ops.linear import (
     INT4_GROUP_SIZE,
     MAX_INVARIANT_ROWS,
@@ -54,7 +55,8 @@ needs_bf16_packing = pytest.mark.skipif(
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_packed_linear_rows_equal_single_row_calls(dtype, n_threads, threads):
     """SmolLM2's packed shapes (fused qkv, o, fused gate/up, down, lm_head), 2..130 rows: bit
-    for bit in bf16; in fp32 (no row-invariant kernel exists here) within 1e-5."""
+    for bit in bf16, and in fp32 where edgebuild's fp32 kernel runs (AVX2 + FMA); with
+    torch's fp32 linears (no row-invariant kernel) within 1e-5."""
     if dtype is torch.bfloat16 and not packing_available(dtype):
         pytest.skip(NO_BF16_PACKING)
     torch.set_num_threads(n_threads)
@@ -67,7 +69,7 @@ def test_packed_linear_rows_equal_single_row_calls(dtype, n_threads, threads):
         x = torch.randn(2 * MAX_INVARIANT_ROWS + 2, in_f, generator=g).to(dtype)
         single = torch.cat([packed(x[i : i + 1]) for i in range(x.shape[0])])
         for rows in (2, 8, 32, MAX_INVARIANT_ROWS, MAX_INVARIANT_ROWS + 1, x.shape[0]):
-            if dtype is torch.bfloat16:
+            if dtype is torch.bfloat16 or packed.f32_kernel:
                 assert torch.equal(packed(x[:rows]), single[:rows]), (out_f, in_f, rows)
             else:
                 torch.testing.assert_close(packed(x[:rows]), single[:rows], rtol=1e-5, atol=1e-5)
@@ -105,11 +107,20 @@ def _decode_and_verify_logits(llm: LLM, prompt: str, steps: int = 32):
         target.free(seq)
 
 
-@needs_bf16_packing
+def _row_invariant(dtype: torch.dtype) -> str | None:
+    """None when ``dtype``'s linears are row-invariant here, else why not (a skip reason)."""
+    if dtype is torch.bfloat16:
+        return None if packing_available(dtype) else NO_BF16_PACKING
+    return None if f32_linear.available() else "edgebuild's fp32 kernel does not run here"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_bf16_verify_rows_equal_decode_rows_bit_for_bit(smollm2_dir, n_threads, threads):
+def test_verify_rows_equal_decode_rows_bit_for_bit(smollm2_dir, dtype, n_threads, threads):
+    if _row_invariant(dtype):
+        pytest.skip(_row_invariant(dtype))
     torch.set_num_threads(n_threads)
-    llm = LLM(smollm2_dir, options=RuntimeOptions(dtype=torch.bfloat16, max_kv_rows=1024))
+    llm = LLM(smollm2_dir, options=RuntimeOptions(dtype=dtype, max_kv_rows=1024))
     for prompt in ("What are the main benefits of curiosity?", "Write a haiku about winter."):
         decoded, verified = _decode_and_verify_logits(llm, prompt)
         bad = [
@@ -126,12 +137,15 @@ def _eval_prompts(n: int) -> list[str]:
     return [r["prompt"] for r in rows[:n]]
 
 
-@needs_bf16_packing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch,n_threads", [(1, 1), (3, 2)])
-def test_bf16_greedy_dspark_equals_target_only(smollm2_dir, batch, n_threads, threads):
-    """The shipped pair in bf16: identical outputs at batch 1 / 1 thread and batch 3 / 2."""
+def test_greedy_dspark_equals_target_only(smollm2_dir, dtype, batch, n_threads, threads):
+    """The shipped pair in bf16 and fp32: identical outputs at batch 1 / 1 thread and batch
+    3 / 2 threads (row-invariant linears: a verify row has its decode row's bits)."""
+    if _row_invariant(dtype):
+        pytest.skip(_row_invariant(dtype))
     torch.set_num_threads(n_threads)
-    opts = RuntimeOptions(dtype=torch.bfloat16, max_kv_rows=2048)
+    opts = RuntimeOptions(dtype=dtype, max_kv_rows=2048)
     plain = LLM(smollm2_dir, options=opts)
     spec = LLM(smollm2_dir, speculative=SPEC, options=opts)
     ids = [plain.encode(p, chat=True) for p in _eval_prompts(3)]

@@ -17,7 +17,10 @@ share a pass (tests/test_batch_invariance.py checks this for every packed shape 
 model). On CPUs with AMX-BF16 a bf16 linear runs edgebuild's own kernel instead
 (:mod:`edgebuild.ops.amx_linear`, ``EDGEBUILD_BF16_KERNEL``): row-invariant for every row
 count, no padded single row, no chunking, and 1.2-1.8x faster per decode linear than oneDNN
-on the AMX host (bench/README.md). fp32 has no row-invariant kernel here (MKL's and oneDNN's fp32 results for a row both
+on the AMX host (bench/README.md). fp32 runs edgebuild's own kernel on every x86-64 CPU with
+AVX2 + FMA (:mod:`edgebuild.ops.f32_linear`, ``EDGEBUILD_FP32_KERNEL``): row-invariant for
+every row count, and one weight read serves up to 6 rows. Without it (other CPUs, or the
+switch at ``torch``) fp32 is not row-invariant (MKL's and oneDNN's fp32 results for a row both
 change with the row count): a 1-row fp32 call runs ``F.linear`` on the fused weight (faster
 than the packed kernel for one row), more rows the packed kernel (faster for 8 rows).
 """
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgebuild.ops import amx_linear
+from edgebuild.ops import amx_linear, f32_linear
 
 MAX_INVARIANT_ROWS = 64  # rows per oneDNN call (checked row-invariant at 1 and 2 threads)
 QUANT_MODES = ("int8", "int4")  # weight-only modes of PackedLinear (opt-in: `--quant ...`)
@@ -110,6 +113,7 @@ class PackedLinear:
         self.pad_single = False
         self._scales_as: dict[torch.dtype, torch.Tensor] = {}  # the scales in each input dtype
         self.int4_amx = self.bf16_amx = False  # edgebuild's AMX kernels (ops/amx_linear.py)
+        self.f32_kernel = False  # edgebuild's fp32 kernel (ops/f32_linear.py)
         if quant == "int8":
             scale = fused.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
             q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
@@ -143,6 +147,13 @@ class PackedLinear:
             else:
                 self._amx_bias = None
             return
+        self.f32_kernel = fused.dtype == torch.float32 and f32_linear.available()
+        if self.f32_kernel:  # edgebuild's fp32 kernel: row-invariant for any row count
+            self.weight, self.packed = f32_linear.pack(fused), True
+            self._f32_bias = (
+                None if self.bias is None else f32_linear.pack_bias(self.bias, self.weight)
+            )
+            return
         self.packed = packing_available(fused.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(fused, 1) if self.packed else fused
         # fp32 is not row-invariant either way: one row is faster through F.linear (MKL gemv)
@@ -160,7 +171,9 @@ class PackedLinear:
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         rows = x2.shape[0]
-        if self.bf16_amx:
+        if self.f32_kernel:
+            y = f32_linear.linear(x2, self.weight, self._f32_bias, self.out_features)
+        elif self.bf16_amx:
             y = amx_linear.linear_bf16(x2, self.weight, self._amx_bias)
             if y.shape[1] != self.out_features:  # padded to a whole block of 16
                 y = y[:, : self.out_features]

@@ -1,0 +1,137 @@
+"""edgebuild's own fp32 linear for x86-64 CPUs with AVX2 + FMA (``kernels/f32_linear.cpp``).
+
+Why: fp32 is the runtime's compute dtype on every CPU without native bf16 (most laptops, AVX2
+only). There, MKL / oneDNN made a DSpark verify pass of a few rows cost much more than a decode
+(2 rows 1.57x, 8 rows 1.96x one row, ``edgebuild/data/step_costs.json``), so fp32 DSpark was
+slower than target-only (x0.88, issue 26), and a row's bits changed with the number of rows in
+the call, so fp32 DSpark's output could differ from target-only's at near-ties.
+
+This kernel packs the weight once at load into blocks of 16 output features, k-major
+(``[ceil(out / 16), in, 16]``, :func:`pack`), reads each block once for up to six rows and
+computes every row with the same instruction sequence whatever the rows beside it (one fp32
+accumulator per output, FMAs in increasing k, then ``+ bias``).
+A row's result therefore never depends on the other rows of the call or on the thread count:
+fp32 DSpark's verify rows equal target-only's decode rows bit for bit.
+
+The C++ source is compiled at first use (:mod:`edgebuild.ops.cpu_build`: g++ and ninja, ~10 s
+once, then cached). ``EDGEBUILD_FP32_KERNEL=auto|avx2|torch`` picks the kernel: ``auto`` (the
+default) uses it where the CPU has AVX2 and FMA and it builds, else torch's (MKL / oneDNN) with
+one log line saying why; ``avx2`` means this kernel or an error; ``torch`` never uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from edgebuild.errors import MissingDependencyError
+from edgebuild.ops import cpu_build
+
+log = logging.getLogger("edgebuild.runtime")
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "f32_linear.cpp"
+ENV = "EDGEBUILD_FP32_KERNEL"
+BLOCK = 16  # output features per packed block
+ISA_FLAGS = ["-mavx2", "-mfma"]  # every x86-64 CPU that has AVX-512 has these too
+
+
+def _why_not() -> str | None:
+    """None when the kernel can be tried here, else why not (one line)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 Linux host ({platform.system()} {platform.machine()})"
+    missing = {"avx2", "fma"} - cpu_build.cpu_flags()
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    if (
+        shutil.which("g++") is None
+        and shutil.which("c++") is None
+        and cpu_build.prebuilt(SOURCE, ISA_FLAGS) is None
+    ):
+        return "no C++ compiler (g++) on PATH to build it"
+    return None
+
+
+@functools.cache
+def _load() -> bool:
+    """True when the kernel runs here, as ``EDGEBUILD_FP32_KERNEL`` says.
+
+    Raises:
+        MissingDependencyError: the switch is ``avx2`` and the kernel cannot run here, or the
+            switch is not one of auto / avx2 / torch.
+    """
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "avx2", "torch"):
+        raise MissingDependencyError(f"{ENV}={mode!r}: use auto, avx2 or torch")
+    if mode == "torch":
+        return False
+    why = _why_not()
+    fixable = why is not None and "compiler" in why
+    if why is None:
+        try:
+            cpu_build.build_and_load(SOURCE, ISA_FLAGS)
+            if not torch.ops.edgebuild_f32.f32_available():
+                why = "the CPU reports no AVX2 / FMA"
+        except Exception as exc:  # a compiler or torch extension failure: fall back
+            why = f"it could not be built or loaded ({cpu_build.first_error(exc)})"
+            fixable = True
+    if why is None:
+        log.info("fp32: edgebuild's kernel (row-invariant, %s)", SOURCE.name)
+        return True
+    if mode == "avx2":
+        raise MissingDependencyError(f"{ENV}=avx2: edgebuild's fp32 kernel cannot run here: {why}")
+    log.log(
+        logging.WARNING if fixable else logging.INFO,
+        "fp32: torch's linear (edgebuild's kernel: %s)", why,
+    )  # fmt: skip
+    return False
+
+
+def available() -> bool:
+    """Whether :func:`linear` runs here (``EDGEBUILD_FP32_KERNEL`` and the CPU decide).
+
+    Raises:
+        MissingDependencyError: ``EDGEBUILD_FP32_KERNEL`` is ``avx2`` and the kernel cannot
+            run here, or it is not one of auto / avx2 / torch.
+    """
+    return _load()
+
+
+def _reset() -> None:
+    """Forget what was decided (tests that change the switch)."""
+    _load.cache_clear()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of an fp32 weight ``[out, in]``: fp32 ``[ceil(out / 16), in, 16]``,
+    element ``[b, k, j] = weight[16 b + j, k]``; outputs past ``out`` (padding to a whole block)
+    are zero."""
+    n, k = weight.shape
+    nb = -(-n // BLOCK)
+    w = weight.detach().float()
+    if nb * BLOCK != n:
+        w = torch.cat([w, w.new_zeros(nb * BLOCK - n, k)])
+    return w.reshape(nb, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def pack_bias(bias: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``bias [out]`` as the kernel reads it: fp32 ``[16 * blocks]``, zero past ``out``."""
+    b = bias.detach().float().reshape(-1)
+    return torch.cat([b, b.new_zeros(packed.shape[0] * BLOCK - b.numel())])
+
+
+def linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x fp32 [rows, in] @ W.T (+ bias)`` for a :func:`pack`-ed W (bias from
+    :func:`pack_bias`): fp32 ``[rows, out_features]``.
+
+    Row-invariant: row i of the result does not depend on the other rows of ``x`` nor on the
+    thread count. Call only when :func:`available` is True.
+    """
+    return torch.ops.edgebuild_f32.f32_linear(x, w, bias, out_features)

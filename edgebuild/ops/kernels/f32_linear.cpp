@@ -1,0 +1,124 @@
+// fp32 linear for edgebuild's CPU runtime on any x86-64 CPU with AVX2 + FMA
+// (edgebuild.ops.f32_linear): y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), fp32 throughout.
+//
+// Why: fp32 is the compute dtype on every CPU without native bf16 (most laptops: AVX2 only),
+// and there neither MKL nor oneDNN gave DSpark what it needs:
+//   * a verify pass of a few rows cost much more than a decode: a 2-row fp32 verify 1.57x a
+//     1-row decode, 8 rows 1.96x (edgebuild/data/step_costs.json), although both read the same
+//     weights once; so fp32 DSpark was slower than target-only (x0.88, issue 26);
+//   * a row's bits changed with the number of rows in the call (MKL's gemv for one row, gemm
+//     for more), so fp32 DSpark's output could differ from target-only's at near-ties.
+// Here the weight is packed once into blocks of 16 output features, k-major ([N/16, K, 16]);
+// each 16-output block is read once from memory for up to 6 rows at a time (more rows re-read
+// it from cache), and every row runs the same instruction sequence whatever the rows beside it:
+// for each output one fp32 accumulator fed by FMAs in increasing k, then + bias. So a row's result never depends on the other rows of the call, nor on
+// the thread count (threads split the output blocks), which makes fp32 DSpark's verify rows
+// equal target-only's decode rows bit for bit.
+//
+// No -ffast-math (it would let the compiler reassociate the sums).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "pool.h"
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output features per packed block (two AVX2 vectors)
+
+// MR rows (1..6) x one block of 16 outputs over all of K: 2 * MR accumulators, 2 weight vectors
+// and 1 broadcast (15 of the 16 ymm registers at MR = 6). One accumulator per output, FMAs in
+// increasing k: the same sequence for a row whatever MR is. One row is 2 FMA chains (~48 GB/s
+// of weights at 3 GHz, above what one core reads from memory); 6 rows keep both FMA units busy.
+template <int MR>
+__attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64_t ldx, int64_t K,
+                                                           const float* wb, const float* bias,
+                                                           float* y, int64_t ldy, int64_t n_out) {
+  // Named accumulators, not an array: GCC 12 kept an array of __m256 on the stack and stored
+  // every accumulator back each k (store-bound: 8 rows ran at ~0.5 FMA a cycle).
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+#define EB_ROW(m)                                                    \
+  if constexpr (MR > m) {                                            \
+    const __m256 xk = _mm256_broadcast_ss(x + m * ldx + k);          \
+    a##m##0 = _mm256_fmadd_ps(xk, w0, a##m##0);                      \
+    a##m##1 = _mm256_fmadd_ps(xk, w1, a##m##1);                      \
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(wb + k * kBlock), w1 = _mm256_loadu_ps(wb + k * kBlock + 8);
+    EB_ROW(0) EB_ROW(1) EB_ROW(2) EB_ROW(3) EB_ROW(4) EB_ROW(5)
+  }
+#undef EB_ROW
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float out[kBlock];
+    _mm256_store_ps(out, _mm256_add_ps(acc[m][0], b0));
+    _mm256_store_ps(out + 8, _mm256_add_ps(acc[m][1], b1));
+    std::copy(out, out + n_out, y + m * ldy);  // the last block may hold fewer than 16 outputs
+  }
+}
+
+using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*,
+                         int64_t, int64_t);
+constexpr int kMaxRows = 6;
+constexpr BlockFn kBlockFns[kMaxRows + 1] = {nullptr,        block_rows<1>, block_rows<2>,
+                                             block_rows<3>, block_rows<4>, block_rows<5>,
+                                             block_rows<6>};
+
+at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                      int64_t n) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "f32_linear: x must be fp32 [rows, in]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.size(2) == kBlock &&
+                  w.is_contiguous(),
+              "f32_linear: w must be fp32 [ceil(out / 16), in, 16] (f32_linear.pack)");
+  const int64_t rows = x_in.size(0), K = x_in.size(1), NB = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "f32_linear: x has ", K, " inputs, the weight ", w.size(1));
+  TORCH_CHECK(n > (NB - 1) * kBlock && n <= NB * kBlock, "f32_linear: out ", n,
+              " does not match ", NB, " blocks of 16");
+  const float* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == NB * kBlock,
+                "f32_linear: bias must be fp32 [16 * blocks] (padded by f32_linear.pack_bias)");
+    bp = b.data_ptr<float>();
+  }
+  auto y = at::empty({rows, n}, x_in.options());
+  if (rows == 0 || n == 0) return y;
+  const at::Tensor x = x_in.contiguous();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto work = [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const float* wb = wp + blk * K * kBlock;
+      const float* bb = bp ? bp + blk * kBlock : nullptr;
+      const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
+      for (int64_t m = 0; m < rows; m += kMaxRows) {
+        const int64_t mr = std::min<int64_t>(kMaxRows, rows - m);
+        kBlockFns[mr](xp + m * K, K, K, wb, bb, yp + m * n + blk * kBlock, n, n_out);
+      }
+    }
+  };
+  eb_pool::parallel_for(NB, 4, work);  // each output is computed by one thread: same bits
+  return y;
+}
+
+bool available() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+}  // namespace
+
+TORCH_LIBRARY(edgebuild_f32, m) {
+  m.def("f32_linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("f32_available() -> bool", &available);
+}
+TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) { m.impl("f32_linear", &f32_linear); }

@@ -1,0 +1,111 @@
+"""edgebuild's fp32 linear (edgebuild/ops/f32_linear.py, ops/kernels/f32_linear.cpp).
+
+Oracles: the packed layout is unpacked here element by element and compared with the weight;
+the product is compared with x @ W.T + b in fp64 within the error bound of a chain of fp32
+FMAs; rows are compared bit for bit with 1-row calls and calls of other row counts, and at
+1 and 2 threads. The kernel tests skip where the CPU lacks AVX2 / FMA (the fallback, torch's
+linear, is covered by tests/test_batch_invariance.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from edgebuild.errors import MissingDependencyError
+from edgebuild.ops import f32_linear
+from edgebuild.ops.linear import PackedLinear
+
+_off = os.environ.get(f32_linear.ENV, "").strip().lower() == "torch"
+needs_kernel = pytest.mark.skipif(
+    _off or f32_linear._why_not() is not None,
+    reason=f"no fp32 kernel here: {'EDGEBUILD_FP32_KERNEL=torch' if _off else f32_linear._why_not()}",
+)
+
+
+def test_pack_layout_holds_every_weight_and_zero_padding():
+    torch.manual_seed(0)
+    w = torch.randn(20, 37)  # 20 outputs: one whole block of 16 and 4 of the next
+    p = f32_linear.pack(w)
+    assert p.shape == (2, 37, 16) and p.dtype == torch.float32
+    for n in range(32):
+        for k in range(37):
+            want = float(w[n, k]) if n < 20 else 0.0
+            assert float(p[n // 16, k, n % 16]) == want, (n, k)
+    b = f32_linear.pack_bias(torch.arange(20.0), p)
+    assert b.tolist() == list(range(20)) + [0.0] * 12
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(20, 64), (37, 33), (960, 576), (576, 1536), (3000, 576)])
+def test_kernel_equals_fp64_and_is_row_invariant(n, k):
+    assert f32_linear.available()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g)
+    p = f32_linear.pack(w)
+    b = f32_linear.pack_bias(bias, p)
+    x = torch.randn(40, k, generator=g)
+    full = f32_linear.linear(x, p, b, n)
+    assert full.shape == (40, n) and full.dtype == torch.float32
+    ref = x.double() @ w.double().t() + bias.double()
+    # a chain of k fp32 FMAs, then one add: |err| <= (k + 1) u sum |x w| + u |y|, u = 2^-24
+    bound = (x.double().abs() @ w.double().abs().t()) * (k + 1) * 2.0**-24
+    assert ((full.double() - ref).abs() <= bound + 2.0**-24 * ref.abs() + 1e-30).all()
+    for rows in (1, 2, 5, 6, 7, 12, 13, 33):  # 6 rows share a pass: groups and remainders
+        assert torch.equal(f32_linear.linear(x[:rows].contiguous(), p, b, n), full[:rows]), rows
+    one = torch.cat([f32_linear.linear(x[i : i + 1], p, b, n) for i in range(40)])
+    assert torch.equal(one, full)
+    nobias = f32_linear.linear(x, p, None, n)
+    torch.testing.assert_close(nobias.double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-5)
+    assert f32_linear.linear(x[:0], p, b, n).shape == (0, n)
+
+
+@needs_kernel
+def test_two_threads_give_the_same_bits():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(1000, 576, generator=g)
+    p = f32_linear.pack(w)
+    x = torch.randn(9, 576, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = f32_linear.linear(x, p, None, 1000)
+        torch.set_num_threads(2)
+        two = f32_linear.linear(x, p, None, 1000)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_packed_linear_uses_the_kernel_for_fp32_with_bias():
+    torch.manual_seed(3)
+    mods = [torch.nn.Linear(64, n, bias=True) for n in (24, 8)]
+    packed = PackedLinear(mods)
+    assert packed.f32_kernel
+    x = torch.randn(3, 5, 64)
+    want = torch.cat([m(x) for m in mods], dim=-1)
+    got = packed(x)
+    assert got.shape == (3, 5, 32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed(x[1:2, 2:3]), got[1:2, 2:3])  # one row: the same bits
+    bf16 = PackedLinear([torch.nn.Linear(64, 8).to(torch.bfloat16)])
+    assert not bf16.f32_kernel  # bf16 weights never take the fp32 kernel
+
+
+def test_the_switch_turns_the_kernel_off_and_rejects_bad_values(monkeypatch):
+    try:
+        monkeypatch.setenv(f32_linear.ENV, "torch")
+        f32_linear._reset()
+        assert not f32_linear.available()
+        assert not PackedLinear([torch.nn.Linear(32, 16)]).f32_kernel
+        monkeypatch.setenv(f32_linear.ENV, "sse9")
+        f32_linear._reset()
+        with pytest.raises(MissingDependencyError, match="EDGEBUILD_FP32_KERNEL='sse9'"):
+            f32_linear.available()
+    finally:
+        monkeypatch.delenv(f32_linear.ENV)
+        f32_linear._reset()
