@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import fcntl
 import os
+import platform
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from edgebuild.ops import amx_linear, attention_kernel, cpu_build
+from edgebuild.ops import amx_linear, attention_kernel, cpu_build, f32_linear
 
 INTERRUPTED = 'echo "ninja: build stopped: interrupted by user."; exit 2'
 # ninja itself killed by the signal (return code -2). Not `kill -INT $$` in the shell: a
@@ -96,7 +98,9 @@ def test_a_compiler_error_still_falls_back(fake_ninja):
     _assert_nothing_left_valid()
 
 
-@pytest.mark.parametrize("kernel", [attention_kernel, amx_linear], ids=["attention", "amx_linear"])
+@pytest.mark.parametrize(
+    "kernel", [attention_kernel, amx_linear, f32_linear], ids=["attention", "amx_linear", "f32"]
+)
 def test_keyboard_interrupt_from_the_build_propagates_and_writes_no_stamp(
     kernel, tmp_path, monkeypatch
 ):
@@ -109,11 +113,11 @@ def test_keyboard_interrupt_from_the_build_propagates_and_writes_no_stamp(
 
     monkeypatch.setenv("EDGEBUILD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpp_extension, "load", interrupted)
-    monkeypatch.setattr(kernel.shutil, "which", lambda name: f"/usr/bin/{name}")
-    amx = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"}  # int4's _why_not: may build
-    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: amx)
-    monkeypatch.setattr(kernel.platform, "system", lambda: "Linux")
-    monkeypatch.setattr(kernel.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    flags = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx2", "fma"}  # may build
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     reset = getattr(kernel, "_reset", kernel._load.cache_clear)  # amx_linear: two caches
     reset()
     try:

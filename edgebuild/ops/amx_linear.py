@@ -33,8 +33,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import platform
-import shutil
 from pathlib import Path
 
 import torch
@@ -55,18 +53,9 @@ ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-til
 
 def _why_not() -> str | None:
     """None when the AMX kernel can be tried here, else why not (one line)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"not an x86-64 Linux host ({platform.system()} {platform.machine()})"
-    missing = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} - cpu_build.cpu_flags()
-    if missing:
-        return f"the CPU lacks {', '.join(sorted(missing))}"
-    if (
-        shutil.which("g++") is None
-        and shutil.which("c++") is None
-        and cpu_build.prebuilt(SOURCE, ISA_FLAGS) is None
-    ):
-        return "no C++ compiler (g++) on PATH to build it"
-    return None
+    return cpu_build.why_not_x86(
+        SOURCE, ISA_FLAGS, {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"}
+    )
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,24 @@ def cpu_flags() -> set[str]:
         if line.startswith(("flags", "Features")):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+def why_not_x86(source: Path, flags: list[str], needs: set[str]) -> str | None:
+    """None when a kernel library (``source`` built with ``flags``) that needs the CPU flags
+    ``needs`` (as /proc/cpuinfo names them) can be tried on this host, else why not, in one
+    line: not x86-64 Linux, the missing flags, or no compiler and no built copy in the cache."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 Linux host ({platform.system()} {platform.machine()})"
+    missing = set(needs) - cpu_flags()
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    if (
+        shutil.which("g++") is None
+        and shutil.which("c++") is None
+        and prebuilt(source, flags) is None
+    ):
+        return "no C++ compiler (g++) on PATH to build it"
+    return None
 
 
 def library_name(source: Path, flags: list[str]) -> str:
