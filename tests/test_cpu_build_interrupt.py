@@ -112,6 +112,8 @@ def test_keyboard_interrupt_from_the_build_propagates_and_writes_no_stamp(
         raise KeyboardInterrupt
 
     monkeypatch.setenv("EDGEBUILD_CACHE", str(tmp_path / "cache"))
+    for switch in (f32_linear.ENV, amx_linear.ENV, amx_linear.BF16_ENV):
+        monkeypatch.delenv(switch, raising=False)  # a kernel switched off would not build
     monkeypatch.setattr(cpp_extension, "load", interrupted)
     monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     flags = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx2", "fma"}  # may build

@@ -193,10 +193,15 @@ def test_a_time_budget_sets_the_step_count_after_the_timed_steps(tiny):
     root, target = tiny
     feats = root / "feats"
     _train(target, feats, root / "short", "--steps", "200", "--budget-minutes", "1e-5")
-    steps = [json.loads(x)["step"] for x in (root / "short" / "train_log.jsonl").open()]
-    assert steps == list(range(1, 27))
+    log = [json.loads(x) for x in (root / "short" / "train_log.jsonl").open()]
+    assert [r["step"] for r in log] == list(range(1, 27))
+    assert log[-1]["lr"] < 0.11 * 1e-2  # the cosine ended at step 26, not at --steps 200
     assert json.loads((root / "short" / "summary.json").read_text())["steps"] == 26
     assert torch.load(root / "short" / "train_state.pt", weights_only=False)["step"] == 26
+    # the same command again resumes the finished run: it keeps its 26 steps
+    _train(target, feats, root / "short", "--steps", "200", "--budget-minutes", "1e-5")
+    log = [json.loads(x) for x in (root / "short" / "train_log.jsonl").open()]
+    assert [r["step"] for r in log] == list(range(1, 27))
     _train(target, feats, root / "ample", "--steps", "30", "--budget-minutes", "60")
     steps = [json.loads(x)["step"] for x in (root / "ample" / "train_log.jsonl").open()]
     assert steps == list(range(1, 31))

@@ -8,8 +8,9 @@ the call, so fp32 DSpark's output could differ from target-only's at near-ties.
 
 This kernel packs the weight once at load into blocks of 16 output features, k-major
 (``[ceil(out / 16), in, 16]``, :func:`pack`), reads each block once for up to six rows and
-computes every row with the same instruction sequence whatever the rows beside it (one fp32
-accumulator per output, FMAs in increasing k, then ``+ bias``).
+computes every row with the same instruction sequence whatever the rows beside it (per output,
+each chunk of 32 k summed by FMAs in increasing k, then added to the running total, then
+``+ bias``: more accurate than one long chain, and than MKL's sgemm on these shapes).
 A row's result therefore never depends on the other rows of the call or on the thread count:
 fp32 DSpark's verify rows equal target-only's decode rows bit for bit.
 

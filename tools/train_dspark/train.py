@@ -255,8 +255,11 @@ def _jsonable(v):
     return v
 
 
-def save_state(path: Path, model, opt, step: int, rng, order, gen) -> None:
-    """Everything a resumed run needs, written atomically."""
+def save_state(
+    path: Path, model, opt, step: int, rng, order, gen, budget_total: int | None = None
+) -> None:
+    """Everything a resumed run needs, written atomically. ``budget_total``: the step count a
+    ``--budget-minutes`` run settled on (a resumed run keeps it, and its lr schedule)."""
     tmp = path.with_suffix(".tmp")
     torch.save(
         {
@@ -267,6 +270,7 @@ def save_state(path: Path, model, opt, step: int, rng, order, gen) -> None:
             "order": order,
             "torch_rng": torch.get_rng_state(),
             "gen": gen.get_state(),
+            "budget_total": budget_total,
         },
         tmp,
     )
@@ -406,6 +410,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     order: list[int] = []
     first = 0
+    budget_total = None  # the step count a --budget-minutes run settled on
     if state_path.is_file():
         st = torch.load(state_path, weights_only=False)
         with torch.no_grad():
@@ -414,6 +419,7 @@ def main() -> None:
                     p.copy_(st["model"][name])
         opt.load_state_dict(st["opt"])
         first, order = st["step"], st["order"]
+        budget_total = st.get("budget_total")
         rng.setstate(st["rng"])
         torch.set_rng_state(st["torch_rng"])
         gen.set_state(st["gen"])
@@ -432,17 +438,18 @@ def main() -> None:
         log.write(json.dumps(rec0) + "\n")
         log.flush()
         print(json.dumps(rec0), flush=True)
-    total = args.steps
+    total = budget_total or args.steps  # a resumed budgeted run keeps its step count
+    probe = args.budget_minutes and budget_total is None
     probe_from, probe_t = first + 5, 0.0  # the first steps warm up (allocator, autotuning)
     step = first - 1
     while step + 1 < total:
         step += 1
-        if args.budget_minutes and step == probe_from:
+        if probe and step == probe_from:
             probe_t = time.perf_counter()
-        if args.budget_minutes and step == probe_from + 20:
+        if probe and step == probe_from + 20:
             per_step = (time.perf_counter() - probe_t) / 20
             left = 60 * args.budget_minutes * 0.9 - (time.perf_counter() - t0)
-            total = max(step + 1, min(args.steps, step + int(left / per_step)))
+            total = budget_total = max(step + 1, min(args.steps, step + int(left / per_step)))
             print(
                 f"budget {args.budget_minutes} min: {per_step * 1e3:.0f} ms a step -> "
                 f"{total} steps (of --steps {args.steps})",
@@ -459,8 +466,9 @@ def main() -> None:
             )
         else:
             batch, final, topk = make_batch(seqs, picks, args.anchors, rng)
+        lr = lr_at(step, total, args.lr, args.warmup)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, args.lr, args.warmup)
+            g["lr"] = lr
         loss, out = block_losses(
             model,
             batch.to(args.device),
@@ -474,7 +482,7 @@ def main() -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        rec = {"step": step + 1, "loss": round(float(loss.detach()), 4)}
+        rec = {"step": step + 1, "loss": round(float(loss.detach()), 4), "lr": lr}
         rec.update({k: round(out[k], 4) for k in ("ce", "l1", "bce")})
         rec["tau_tf"] = round(
             1.0 + float(accepted_lengths(out["hit"], out["valid"]).float().mean()), 3
@@ -491,14 +499,18 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
         if (step + 1) % args.save_every == 0:  # a usable draft at any time
             save_checkpoint(model, draft_cfg, args.out / "checkpoint")
-            save_state(args.out / "train_state.pt", model, opt, step + 1, rng, order, gen)
+            save_state(
+                args.out / "train_state.pt", model, opt, step + 1, rng, order, gen, budget_total
+            )
         if args.stop_after and step + 1 >= args.stop_after:
             save_checkpoint(model, draft_cfg, args.out / "checkpoint")
-            save_state(args.out / "train_state.pt", model, opt, step + 1, rng, order, gen)
+            save_state(
+                args.out / "train_state.pt", model, opt, step + 1, rng, order, gen, budget_total
+            )
             print(f"stopped after step {step + 1} (resumable)", flush=True)
             return
     save_checkpoint(model, draft_cfg, args.out / "checkpoint")
-    save_state(args.out / "train_state.pt", model, opt, total, rng, order, gen)
+    save_state(args.out / "train_state.pt", model, opt, total, rng, order, gen, budget_total)
     summary = {
         "steps": total,
         "train_s": round(elapsed0 + time.perf_counter() - t0, 1),

@@ -11,7 +11,8 @@
 // Here the weight is packed once into blocks of 16 output features, k-major ([N/16, K, 16]);
 // each 16-output block is read once from memory for up to 6 rows at a time (more rows re-read
 // it from cache), and every row runs the same instruction sequence whatever the rows beside it:
-// for each output one fp32 accumulator fed by FMAs in increasing k, then + bias. So a row's result never depends on the other rows of the call, nor on
+// for each output, each chunk of 32 k is summed by FMAs in increasing k in a fresh accumulator
+// and added to the running total, then + bias. So a row's result never depends on the other rows of the call, nor on
 // the thread count (threads split the output blocks), which makes fp32 DSpark's verify rows
 // equal target-only's decode rows bit for bit.
 //
@@ -38,8 +39,9 @@ constexpr int64_t kBlock = 16;  // output features per packed block (two AVX2 ve
 constexpr int64_t kChunk = 32;
 
 // MR rows (1..6) x one block of 16 outputs over all of K: 2 * MR accumulators, 2 weight vectors
-// and 1 broadcast (15 of the 16 ymm registers at MR = 6). One accumulator per output, FMAs in
-// increasing k: the same sequence for a row whatever MR is. One row is 2 FMA chains (~48 GB/s
+// and 1 broadcast (15 of the 16 ymm registers at MR = 6). Per output and chunk of kChunk k, one
+// accumulator fed by FMAs in increasing k, then added to the total on the stack: the same
+// sequence for a row whatever MR is. One row is 2 FMA chains (~48 GB/s
 // of weights at 3 GHz, above what one core reads from memory); 6 rows keep both FMA units busy.
 template <int MR>
 __attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64_t ldx, int64_t K,
