@@ -126,3 +126,70 @@ def test_the_switch_turns_the_kernel_off_and_rejects_bad_values(monkeypatch):
     finally:
         monkeypatch.delenv(f32_linear.ENV)
         f32_linear._reset()
+
+
+def test_int4_pack_layout_holds_every_code_scale_and_lo():
+    from edgebuild.ops.linear import quantize_int4
+
+    torch.manual_seed(4)
+    n, k = 20, 64  # 20 outputs: block 1 holds 4 real outputs and 12 padding ones
+    codes, sz = quantize_int4(torch.randn(n, k))
+    pc, sl = f32_linear.pack_int4(codes, sz)
+    assert pc.shape == (2, k, 8) and pc.dtype == torch.uint8
+    assert sl.shape == (2, k // 32, 2, 16) and sl.dtype == torch.float32
+    for o in range(32):
+        b, j = divmod(o, 16)
+        for kk in range(k):
+            byte = int(pc[b, kk, j % 8])
+            got = byte & 0xF if j < 8 else byte >> 4
+            assert got == (int(codes[o, kk]) if o < n else 0), (o, kk)
+        for g in range(k // 32):
+            s, lo = float(sl[b, g, 0, j]), float(sl[b, g, 1, j])
+            if o < n:
+                want_s, z = float(sz[g, o, 0]), float(sz[g, o, 1])
+                assert s == want_s and lo == float(torch.tensor(z) - 8 * torch.tensor(want_s))
+            else:
+                assert s == 0.0 and lo == 0.0
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(20, 64), (960, 576), (576, 1536)])
+def test_int4_kernel_equals_the_dequantized_weight_in_fp64_and_is_row_invariant(n, k):
+    from edgebuild.ops.linear import dequantize_int4, quantize_int4
+
+    assert f32_linear.available()
+    g = torch.Generator().manual_seed(5)
+    codes, sz = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
+    bias = torch.randn(n, generator=g)
+    pc, sl = f32_linear.pack_int4(codes, sz)
+    b = f32_linear.pack_bias(bias, pc)
+    x = torch.randn(40, k, generator=g)
+    full = f32_linear.linear_int4(x, pc, sl, b, n)
+    deq = dequantize_int4(codes, sz).double()
+    ref = x.double() @ deq.t() + bias.double()
+    # w = fma(code, scale, lo) differs from (code - 8) * scale + zero by ~2 roundings of |w|;
+    # then the chunked fp32 sum: a few ulps of sum |x w|
+    scale = x.double().abs() @ deq.abs().t()
+    assert ((full.double() - ref).abs() <= 2.0**-18 * scale + 2.0**-22 * ref.abs() + 1e-6).all()
+    for rows in (1, 2, 5, 6, 7, 13, 33):
+        part = f32_linear.linear_int4(x[:rows].contiguous(), pc, sl, b, n)
+        assert torch.equal(part, full[:rows]), rows
+    one = torch.cat([f32_linear.linear_int4(x[i : i + 1], pc, sl, b, n) for i in range(40)])
+    assert torch.equal(one, full)
+
+
+@needs_kernel
+def test_packed_linear_uses_the_int4_kernel_for_fp32_inputs():
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(64, 40, bias=True)
+    packed = PackedLinear([lin], quant="int4")
+    assert packed.int4_f32 and not packed.f32_kernel
+    x = torch.randn(3, 5, 64)
+    y = packed(x)
+    assert y.shape == (3, 5, 40) and y.dtype == torch.float32
+    from edgebuild.ops.linear import dequantize_int4, quantize_int4
+
+    codes, sz = quantize_int4(lin.weight)
+    ref = x.double() @ dequantize_int4(codes, sz).double().t() + lin.bias.double()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed(x[2:3, 4:5]), y[2:3, 4:5])

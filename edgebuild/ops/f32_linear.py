@@ -123,3 +123,47 @@ def linear(
     thread count. Call only when :func:`available` is True.
     """
     return torch.ops.edgebuild_f32.f32_linear(x, w, bias, out_features)
+
+
+def pack_int4(
+    codes: torch.Tensor, scale_and_zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 kernel's layout of :func:`~edgebuild.ops.linear.quantize_int4`'s output.
+
+    Args:
+        codes: int [out, in] values 0..15 (``in`` a multiple of 32).
+        scale_and_zero: fp32 [in / 32, out, 2] (scale, zero) per group and output feature.
+
+    Returns:
+        (codes uint8 [ceil(out / 16), in, 8]: byte j of block b and input k holds
+        ``code[16 b + j, k]`` in its low nibble and ``code[16 b + 8 + j, k]`` in its high one;
+        sl fp32 [ceil(out / 16), in / 32, 2, 16]: per block and group the 16 scales, then the
+        16 ``lo = zero - 8 * scale``, so the weight is ``code * scale + lo``). Outputs past
+        ``out`` (padding to a whole block) have zero codes, scales and lo.
+    """
+    n, k = codes.shape
+    nb = -(-n // BLOCK)
+    pad = nb * BLOCK - n
+    c = codes.to(torch.uint8)
+    s, z = scale_and_zero[..., 0].t().float(), scale_and_zero[..., 1].t().float()  # [out, G]
+    lo = z - 8.0 * s
+    if pad:
+        c = torch.cat([c, c.new_zeros(pad, k)])
+        s, lo = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (s, lo))
+    c = c.reshape(nb, 2, 8, k).permute(0, 3, 1, 2)  # [block, k, half, j]
+    packed = (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).contiguous()
+    sl = torch.stack([s, lo], 0).reshape(2, nb, BLOCK, k // 32).permute(1, 3, 0, 2)
+    return packed, sl.contiguous()
+
+
+def linear_int4(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    sl: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """``x fp32 [rows, in] @ W.T (+ bias)`` for a :func:`pack_int4`-ed int4 W (``W = code *
+    scale + lo``, widened to fp32 in the kernel): fp32 ``[rows, out_features]``. Row-invariant
+    like :func:`linear`. Call only when :func:`available` is True."""
+    return torch.ops.edgebuild_f32.int4_f32_linear(x, codes, sl, bias, out_features)

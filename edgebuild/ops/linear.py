@@ -70,11 +70,14 @@ class PackedLinear:
             run by ``torch.ops.aten._weight_int8pack_mm`` (half the bytes of bf16; outputs
             differ from the unquantized model's, so it is opt-in); or ``"int4"``: weight-only
             asymmetric 4-bit, one scale and zero per ``INT4_GROUP_SIZE`` input features of each
-            output feature (:func:`quantize_int4`), run for bf16 inputs on CPUs with AMX by
-            edgebuild's own kernel (:mod:`edgebuild.ops.amx_linear`: an 8-row verify costs
-            about what one row does), else by ``torch.ops.aten._weight_int4pack_mm_for_cpu``
-            (a quarter of bf16's bytes). Both give a row the same bits whatever the rows
-            beside it, so DSpark equals int4 target-only.
+            output feature (:func:`quantize_int4`), run for fp32 inputs on CPUs with AVX2 +
+            FMA by edgebuild's kernel (:func:`edgebuild.ops.f32_linear.linear_int4`: on an
+            AVX2 host torch's int4 kernel took 97 ms for SmolLM2's lm_head row, this one 2.9),
+            for bf16 inputs on CPUs with AMX by edgebuild's own kernel
+            (:mod:`edgebuild.ops.amx_linear`: an 8-row verify costs about what one row does),
+            else by ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a quarter of bf16's
+            bytes). All give a row the same bits whatever the rows beside it, so DSpark equals
+            int4 target-only.
 
     Calling it maps ``x [..., in]`` to ``[..., sum(out_i)]`` in x's dtype, the concatenation
     of each module's output, in order (equal within rounding to ``torch.cat([m(x) ...])``).
@@ -113,7 +116,7 @@ class PackedLinear:
         self.pad_single = False
         self._scales_as: dict[torch.dtype, torch.Tensor] = {}  # the scales in each input dtype
         self.int4_amx = self.bf16_amx = False  # edgebuild's AMX kernels (ops/amx_linear.py)
-        self.f32_kernel = False  # edgebuild's fp32 kernel (ops/f32_linear.py)
+        self.f32_kernel = self.int4_f32 = False  # edgebuild's AVX2 kernels (ops/f32_linear.py)
         if quant == "int8":
             scale = fused.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
             q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
@@ -122,6 +125,13 @@ class PackedLinear:
         if quant == "int4":
             codes, self.scales = quantize_int4(fused)
             self.packed = True
+            if fused.dtype == torch.float32 and f32_linear.available():
+                self.weight, self._int4_sl = f32_linear.pack_int4(codes, self.scales)
+                self._f32_bias = (
+                    None if self.bias is None else f32_linear.pack_bias(self.bias, self.weight)
+                )
+                self.int4_f32 = True  # edgebuild's AVX2 int4 kernel, fp32 inputs
+                return
             if fused.dtype == torch.bfloat16 and amx_linear.available():
                 self.weight, self._amx_scales = amx_linear.pack(codes, self.scales)
                 self.int4_amx = True  # edgebuild's AMX kernel (ops/amx_linear.py)
@@ -173,6 +183,10 @@ class PackedLinear:
         rows = x2.shape[0]
         if self.f32_kernel:
             y = f32_linear.linear(x2, self.weight, self._f32_bias, self.out_features)
+        elif self.int4_f32:
+            y = f32_linear.linear_int4(
+                x2, self.weight, self._int4_sl, self._f32_bias, self.out_features
+            )
         elif self.bf16_amx:
             y = amx_linear.linear_bf16(x2, self.weight, self._amx_bias)
             if y.shape[1] != self.out_features:  # padded to a whole block of 16

@@ -132,12 +132,127 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
   return y;
 }
 
+// ---------------------------------------------------------------- int4 weights, fp32 inputs
+// The same kernel for `--quant int4` on an fp32 runtime (edgebuild.ops.f32_linear.pack_int4):
+// per block of 16 outputs and k, 8 bytes hold the 16 codes (byte j: output j in the low
+// nibble, output 8 + j in the high one); per block and group of 32 k, the 16 scales and 16
+// `lo` (= zero - 8 * scale, so w = code * scale + lo = (code - 8) * scale + zero). Each k's 16
+// weights are widened to fp32 once (cvtepu8 -> and / shift -> cvtdq2ps -> one FMA with scale
+// and lo) and used by up to 6 rows; a group is one chunk of the fp32 kernel's chunked sum.
+// Weight bytes per step are 1/8 of fp32's (+ 1/4 for the scales), and a row's bits never
+// depend on the rows beside it or on the thread count, as in the fp32 kernel.
+constexpr int64_t kGroup = 32;
+
+template <int MR>
+__attribute__((target("avx2,fma"))) inline void int4_block_rows(
+    const float* x, int64_t ldx, int64_t K, const uint8_t* cb, const float* sl, const float* bias,
+    float* y, int64_t ldy, int64_t n_out) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+#define EB_ROW(m)                                                    \
+  if constexpr (MR > m) {                                            \
+    const __m256 xk = _mm256_broadcast_ss(x + m * ldx + k);          \
+    a##m##0 = _mm256_fmadd_ps(xk, w0, a##m##0);                      \
+    a##m##1 = _mm256_fmadd_ps(xk, w1, a##m##1);                      \
+  }
+  alignas(32) float tot[MR][kBlock];
+  for (int m = 0; m < MR; ++m) std::fill(tot[m], tot[m] + kBlock, 0.0f);
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* gs = sl + g * 4 * 8;  // [scale 0..7, scale 8..15, lo 0..7, lo 8..15]
+    const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
+    const __m256 l0 = _mm256_loadu_ps(gs + 16), l1 = _mm256_loadu_ps(gs + 24);
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_ps();
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      const __m256i b = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + k * 8)));
+      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, nibble));
+      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+      const __m256 w0 = _mm256_fmadd_ps(c0, s0, l0);
+      const __m256 w1 = _mm256_fmadd_ps(c1, s1, l1);
+      EB_ROW(0) EB_ROW(1) EB_ROW(2) EB_ROW(3) EB_ROW(4) EB_ROW(5)
+    }
+    const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
+                              {a30, a31}, {a40, a41}, {a50, a51}};
+    for (int m = 0; m < MR; ++m) {
+      _mm256_store_ps(tot[m], _mm256_add_ps(_mm256_load_ps(tot[m]), acc[m][0]));
+      _mm256_store_ps(tot[m] + 8, _mm256_add_ps(_mm256_load_ps(tot[m] + 8), acc[m][1]));
+    }
+  }
+#undef EB_ROW
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float out[kBlock];
+    _mm256_store_ps(out, _mm256_add_ps(_mm256_load_ps(tot[m]), b0));
+    _mm256_store_ps(out + 8, _mm256_add_ps(_mm256_load_ps(tot[m] + 8), b1));
+    std::copy(out, out + n_out, y + m * ldy);
+  }
+}
+
+using Int4BlockFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, const float*,
+                             const float*, float*, int64_t, int64_t);
+constexpr Int4BlockFn kInt4BlockFns[kMaxRows + 1] = {
+    nullptr,           int4_block_rows<1>, int4_block_rows<2>, int4_block_rows<3>,
+    int4_block_rows<4>, int4_block_rows<5>, int4_block_rows<6>};
+
+at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sl,
+                           const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "int4_f32_linear: x must be fp32 [rows, in]");
+  const int64_t rows = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == 8 &&
+                  codes.size(1) == K && codes.is_contiguous(),
+              "int4_f32_linear: codes must be uint8 [ceil(out / 16), in, 8] (pack_int4)");
+  const int64_t NB = codes.size(0);
+  TORCH_CHECK(K % kGroup == 0, "int4_f32_linear: in (", K, ") must be a multiple of 32");
+  TORCH_CHECK(sl.dim() == 4 && sl.scalar_type() == at::kFloat && sl.size(0) == NB &&
+                  sl.size(1) == K / kGroup && sl.size(2) == 2 && sl.size(3) == kBlock &&
+                  sl.is_contiguous(),
+              "int4_f32_linear: scales must be fp32 [blocks, in / 32, 2, 16] (pack_int4)");
+  TORCH_CHECK(n > (NB - 1) * kBlock && n <= NB * kBlock, "int4_f32_linear: out ", n,
+              " does not match ", NB, " blocks of 16");
+  const float* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == NB * kBlock,
+                "int4_f32_linear: bias must be fp32 [16 * blocks] (f32_linear.pack_bias)");
+    bp = b.data_ptr<float>();
+  }
+  auto y = at::empty({rows, n}, x_in.options());
+  if (rows == 0 || n == 0) return y;
+  const at::Tensor x = x_in.contiguous();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = sl.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto work = [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const uint8_t* cb = cp + blk * K * 8;
+      const float* sb = sp + blk * (K / kGroup) * 2 * kBlock;
+      const float* bb = bp ? bp + blk * kBlock : nullptr;
+      const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
+      for (int64_t m = 0; m < rows; m += kMaxRows) {
+        const int64_t mr = std::min<int64_t>(kMaxRows, rows - m);
+        kInt4BlockFns[mr](xp + m * K, K, K, cb, sb, bb, yp + m * n + blk * kBlock, n, n_out);
+      }
+    }
+  };
+  eb_pool::parallel_for(NB, 4, work);
+  return y;
+}
+
 bool available() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 }  // namespace
 
 TORCH_LIBRARY(edgebuild_f32, m) {
   m.def("f32_linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("int4_f32_linear(Tensor x, Tensor codes, Tensor sl, Tensor? bias, int n) -> Tensor");
   m.def("f32_available() -> bool", &available);
 }
-TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) { m.impl("f32_linear", &f32_linear); }
+TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
+  m.impl("f32_linear", &f32_linear);
+  m.impl("int4_f32_linear", &int4_f32_linear);
+}
