@@ -7,8 +7,9 @@ SmolLM2-135M-Instruct, the held-out chat prompts of ``tools/train_dspark/data/ev
 * ``edgebuild target-only`` and ``edgebuild DSpark`` (the shipped draft, 7 speculative tokens,
   confidence scheduling as by default, profiled at each thread count) at each ``--dtypes``
   (float32, bfloat16) and ``--threads`` (1, 2); ``--quant int8 int4`` adds the weight-only
-  opt-ins (bf16 compute); ``--fixed`` adds DSpark with fixed lengths
-  (``"confidence_scheduling": false``); ``--only-edgebuild`` skips the other engines;
+  opt-ins (at the default compute dtype: bf16 where native, else fp32); ``--fixed`` adds
+  DSpark with fixed lengths (``"confidence_scheduling": false``); ``--only-edgebuild`` skips
+  the other engines;
 * ``edgebuild onnxruntime`` target-only and DSpark: the example pair's bundle (built here on
   first use, ``--onnx-only --dtype float32``, into ``--ort-bundle``) on the onnxruntime
   backend (the bundle's own graphs, ``runtime/ort_engine.py``) at each ``--threads``;
@@ -296,12 +297,17 @@ def make_engines(args, skipped: dict) -> list[Engine]:
         return not args.only or any(k in n for k in args.only for n in names)
 
     modes = [(None, True), (args.draft, True)] + ([(args.draft, False)] if args.fixed else [])
+    from edgebuild.runtime.cpu import default_compute_dtype
+
+    # --quant runs at the runtime's default compute dtype: bf16 where the CPU has it natively,
+    # else fp32 (edgebuild's AVX2 int4 kernel takes fp32 inputs)
+    quant_dtype = "bfloat16" if default_compute_dtype() == torch.bfloat16 else "float32"
     for threads in args.threads:
         if wanted("edgebuild onnxruntime"):
             bundle = build_ort_bundle(args.target, args.draft, args.ort_bundle)
             engines += [OrtBackend(bundle, d, threads, ort_loaded) for d in (False, True)]
         for dtype, quant in [(d, None) for d in args.dtypes] + [
-            ("bfloat16", q) for q in args.quant
+            (quant_dtype, q) for q in args.quant
         ]:
             for draft, sched in modes:
                 engines.append(
@@ -369,7 +375,8 @@ def main() -> None:
         nargs="*",
         choices=["int8", "int4"],
         default=[],
-        help="weight-only quant modes (bf16 compute), each beside the dtypes",
+        help="weight-only quant modes (at the runtime's default compute dtype: bf16 where "
+        "the CPU has it natively, else fp32), each beside the dtypes",
     )
     ap.add_argument(
         "--fixed",
