@@ -123,26 +123,7 @@ class PackedLinear:
             self.weight, self.scales, self.packed = q.to(torch.int8).contiguous(), scale, True
             return
         if quant == "int4":
-            codes, self.scales = quantize_int4(fused)
-            self.packed = True
-            if fused.dtype == torch.float32 and f32_linear.available():
-                self.weight, self._int4_sl = f32_linear.pack_int4(codes, self.scales)
-                self._f32_bias = (
-                    None if self.bias is None else f32_linear.pack_bias(self.bias, self.weight)
-                )
-                self.int4_f32 = True  # edgebuild's AVX2 int4 kernel, fp32 inputs
-                return
-            if fused.dtype == torch.bfloat16 and amx_linear.available():
-                self.weight, self._amx_scales = amx_linear.pack(codes, self.scales)
-                self.int4_amx = True  # edgebuild's AMX kernel (ops/amx_linear.py)
-                return
-            pad = -codes.shape[0] % 16  # torch's packing takes whole blocks of 16 outputs
-            if pad:
-                codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
-                self.scales = torch.cat(
-                    [self.scales, self.scales.new_zeros(self.scales.shape[0], pad, 2)], dim=1
-                )
-            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self._init_int4(fused)
             return
         self.bf16_amx = (
             fused.dtype == torch.bfloat16
@@ -172,6 +153,30 @@ class PackedLinear:
         # (seen on an AMD EPYC AVX512-BF16 host for in=1536: M=1 differs from M>=8 while M=2
         # equals every M up to 64), so a single row runs as the first row of a 2-row call.
         self.pad_single = self.packed and fused.dtype == torch.bfloat16
+
+    def _init_int4(self, fused: torch.Tensor) -> None:
+        """Quantize ``fused`` to int4 and pack it for the kernel that will run it: edgebuild's
+        AVX2 kernel for fp32 inputs, its AMX kernel for bf16 inputs, else torch's."""
+        codes, self.scales = quantize_int4(fused)
+        self.packed = True
+        if fused.dtype == torch.float32 and f32_linear.available():
+            self.weight, self._int4_sl = f32_linear.pack_int4(codes, self.scales)
+            self._f32_bias = (
+                None if self.bias is None else f32_linear.pack_bias(self.bias, self.weight)
+            )
+            self.int4_f32 = True  # edgebuild's AVX2 int4 kernel, fp32 inputs
+            return
+        if fused.dtype == torch.bfloat16 and amx_linear.available():
+            self.weight, self._amx_scales = amx_linear.pack(codes, self.scales)
+            self.int4_amx = True  # edgebuild's AMX kernel (ops/amx_linear.py)
+            return
+        pad = -codes.shape[0] % 16  # torch's packing takes whole blocks of 16 outputs
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+            self.scales = torch.cat(
+                [self.scales, self.scales.new_zeros(self.scales.shape[0], pad, 2)], dim=1
+            )
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
