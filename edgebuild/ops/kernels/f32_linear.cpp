@@ -38,14 +38,26 @@ constexpr int64_t kBlock = 16;  // output features per packed block (two AVX2 ve
 // 30-layer NVFP4 model's fp32 logits to leave the onnxruntime parity tolerance (4.8e-3 > 3e-3).
 constexpr int64_t kChunk = 32;
 
+// Where a block's weights come from: fp32 (packed [K, 16]) or int4 (codes + scale / lo per
+// group, widened to fp32 here). start(k0) is called at each chunk of kChunk k; load(k, w0, w1)
+// gives input k's 16 weights as two vectors.
+struct F32Weights {
+  const float* wb;
+  inline void start(int64_t) {}
+  inline void load(int64_t k, __m256& w0, __m256& w1) const {
+    w0 = _mm256_loadu_ps(wb + k * kBlock);
+    w1 = _mm256_loadu_ps(wb + k * kBlock + 8);
+  }
+};
+
 // MR rows (1..6) x one block of 16 outputs over all of K: 2 * MR accumulators, 2 weight vectors
 // and 1 broadcast (15 of the 16 ymm registers at MR = 6). Per output and chunk of kChunk k, one
 // accumulator fed by FMAs in increasing k, then added to the total on the stack: the same
 // sequence for a row whatever MR is. One row is 2 FMA chains (~48 GB/s
 // of weights at 3 GHz, above what one core reads from memory); 6 rows keep both FMA units busy.
-template <int MR>
+template <int MR, typename Weights>
 __attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64_t ldx, int64_t K,
-                                                           const float* wb, const float* bias,
+                                                           Weights w, const float* bias,
                                                            float* y, int64_t ldy, int64_t n_out) {
   // Named accumulators, not an array: GCC 12 kept an array of __m256 on the stack and stored
   // every accumulator back each k (store-bound: 8 rows ran at ~0.5 FMA a cycle).
@@ -61,10 +73,11 @@ __attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64
   for (int m = 0; m < MR; ++m) std::fill(tot[m], tot[m] + kBlock, 0.0f);
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min<int64_t>(K, k0 + kChunk);
+    w.start(k0);
     a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
-      const __m256 w0 = _mm256_loadu_ps(wb + k * kBlock);
-      const __m256 w1 = _mm256_loadu_ps(wb + k * kBlock + 8);
+      __m256 w0, w1;
+      w.load(k, w0, w1);
       EB_ROW(0) EB_ROW(1) EB_ROW(2) EB_ROW(3) EB_ROW(4) EB_ROW(5)
     }
     const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
@@ -85,12 +98,39 @@ __attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64
   }
 }
 
-using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*,
-                         int64_t, int64_t);
+// rows x one block: groups of kMaxRows rows, then the remainder (each row's sequence is the
+// same in any group size).
 constexpr int kMaxRows = 6;
-constexpr BlockFn kBlockFns[kMaxRows + 1] = {nullptr,        block_rows<1>, block_rows<2>,
-                                             block_rows<3>, block_rows<4>, block_rows<5>,
-                                             block_rows<6>};
+template <typename Weights>
+inline void all_rows(const float* x, int64_t rows, int64_t K, const Weights& w, const float* bias,
+                     float* y, int64_t ldy, int64_t n_out) {
+  for (int64_t m = 0; m < rows; m += kMaxRows) {
+    const float* xm = x + m * K;
+    float* ym = y + m * ldy;
+    switch (std::min<int64_t>(kMaxRows, rows - m)) {
+      case 1: block_rows<1>(xm, K, K, w, bias, ym, ldy, n_out); break;
+      case 2: block_rows<2>(xm, K, K, w, bias, ym, ldy, n_out); break;
+      case 3: block_rows<3>(xm, K, K, w, bias, ym, ldy, n_out); break;
+      case 4: block_rows<4>(xm, K, K, w, bias, ym, ldy, n_out); break;
+      case 5: block_rows<5>(xm, K, K, w, bias, ym, ldy, n_out); break;
+      default: block_rows<6>(xm, K, K, w, bias, ym, ldy, n_out); break;
+    }
+  }
+}
+
+// The checks and the bias both ops share: out n must fill the last of NB blocks; the bias (if
+// any) is fp32 [16 * NB] (f32_linear.pack_bias); returns its data (nullptr: none), kept alive
+// in `keep`.
+const float* checked_bias(const char* op, const c10::optional<at::Tensor>& bias, int64_t n,
+                          int64_t NB, at::Tensor& keep) {
+  TORCH_CHECK(n > (NB - 1) * kBlock && n <= NB * kBlock, op, ": out ", n, " does not match ", NB,
+              " blocks of 16");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  keep = bias->contiguous();
+  TORCH_CHECK(keep.scalar_type() == at::kFloat && keep.numel() == NB * kBlock, op,
+              ": bias must be fp32 [16 * blocks] (f32_linear.pack_bias)");
+  return keep.data_ptr<float>();
+}
 
 at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                       int64_t n) {
@@ -101,16 +141,8 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
               "f32_linear: w must be fp32 [ceil(out / 16), in, 16] (f32_linear.pack)");
   const int64_t rows = x_in.size(0), K = x_in.size(1), NB = w.size(0);
   TORCH_CHECK(w.size(1) == K, "f32_linear: x has ", K, " inputs, the weight ", w.size(1));
-  TORCH_CHECK(n > (NB - 1) * kBlock && n <= NB * kBlock, "f32_linear: out ", n,
-              " does not match ", NB, " blocks of 16");
-  const float* bp = nullptr;
   at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == NB * kBlock,
-                "f32_linear: bias must be fp32 [16 * blocks] (padded by f32_linear.pack_bias)");
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = checked_bias("f32_linear", bias, n, NB, b);
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0 || n == 0) return y;
   const at::Tensor x = x_in.contiguous();
@@ -122,10 +154,7 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
       const float* wb = wp + blk * K * kBlock;
       const float* bb = bp ? bp + blk * kBlock : nullptr;
       const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
-      for (int64_t m = 0; m < rows; m += kMaxRows) {
-        const int64_t mr = std::min<int64_t>(kMaxRows, rows - m);
-        kBlockFns[mr](xp + m * K, K, K, wb, bb, yp + m * n + blk * kBlock, n, n_out);
-      }
+      all_rows(xp, rows, K, F32Weights{wb}, bb, yp + blk * kBlock, n, n_out);
     }
   };
   eb_pool::parallel_for(NB, 4, work);  // each output is computed by one thread: same bits
@@ -143,58 +172,23 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
 // depend on the rows beside it or on the thread count, as in the fp32 kernel.
 constexpr int64_t kGroup = 32;
 
-template <int MR>
-__attribute__((target("avx2,fma"))) inline void int4_block_rows(
-    const float* x, int64_t ldx, int64_t K, const uint8_t* cb, const float* sl, const float* bias,
-    float* y, int64_t ldy, int64_t n_out) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-#define EB_ROW(m)                                                    \
-  if constexpr (MR > m) {                                            \
-    const __m256 xk = _mm256_broadcast_ss(x + m * ldx + k);          \
-    a##m##0 = _mm256_fmadd_ps(xk, w0, a##m##0);                      \
-    a##m##1 = _mm256_fmadd_ps(xk, w1, a##m##1);                      \
+static_assert(kChunk == kGroup, "an int4 group must be one chunk of the sum");
+struct Int4Weights {
+  const uint8_t* cb;  // [K, 8] codes of the block
+  const float* sl;    // [K / 32, 2, 16] scale, lo of the block
+  __m256 s0, s1, l0, l1;
+  inline void start(int64_t k0) {
+    const float* gs = sl + (k0 / kGroup) * 2 * kBlock;  // scale 0..15, then lo 0..15
+    s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
+    l0 = _mm256_loadu_ps(gs + 16), l1 = _mm256_loadu_ps(gs + 24);
   }
-  alignas(32) float tot[MR][kBlock];
-  for (int m = 0; m < MR; ++m) std::fill(tot[m], tot[m] + kBlock, 0.0f);
-  const __m256i nibble = _mm256_set1_epi32(0x0F);
-  for (int64_t g = 0; g < K / kGroup; ++g) {
-    const float* gs = sl + g * 4 * 8;  // [scale 0..7, scale 8..15, lo 0..7, lo 8..15]
-    const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
-    const __m256 l0 = _mm256_loadu_ps(gs + 16), l1 = _mm256_loadu_ps(gs + 24);
-    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_ps();
-    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
-      const __m256i b = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + k * 8)));
-      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, nibble));
-      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-      const __m256 w0 = _mm256_fmadd_ps(c0, s0, l0);
-      const __m256 w1 = _mm256_fmadd_ps(c1, s1, l1);
-      EB_ROW(0) EB_ROW(1) EB_ROW(2) EB_ROW(3) EB_ROW(4) EB_ROW(5)
-    }
-    const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
-                              {a30, a31}, {a40, a41}, {a50, a51}};
-    for (int m = 0; m < MR; ++m) {
-      _mm256_store_ps(tot[m], _mm256_add_ps(_mm256_load_ps(tot[m]), acc[m][0]));
-      _mm256_store_ps(tot[m] + 8, _mm256_add_ps(_mm256_load_ps(tot[m] + 8), acc[m][1]));
-    }
+  inline void load(int64_t k, __m256& w0, __m256& w1) const {
+    const __m256i b =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + k * 8)));
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F))), s0, l0);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s1, l1);
   }
-#undef EB_ROW
-  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  for (int m = 0; m < MR; ++m) {
-    alignas(32) float out[kBlock];
-    _mm256_store_ps(out, _mm256_add_ps(_mm256_load_ps(tot[m]), b0));
-    _mm256_store_ps(out + 8, _mm256_add_ps(_mm256_load_ps(tot[m] + 8), b1));
-    std::copy(out, out + n_out, y + m * ldy);
-  }
-}
-
-using Int4BlockFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, const float*,
-                             const float*, float*, int64_t, int64_t);
-constexpr Int4BlockFn kInt4BlockFns[kMaxRows + 1] = {
-    nullptr,           int4_block_rows<1>, int4_block_rows<2>, int4_block_rows<3>,
-    int4_block_rows<4>, int4_block_rows<5>, int4_block_rows<6>};
+};
 
 at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sl,
                            const c10::optional<at::Tensor>& bias, int64_t n) {
@@ -210,16 +204,8 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
                   sl.size(1) == K / kGroup && sl.size(2) == 2 && sl.size(3) == kBlock &&
                   sl.is_contiguous(),
               "int4_f32_linear: scales must be fp32 [blocks, in / 32, 2, 16] (pack_int4)");
-  TORCH_CHECK(n > (NB - 1) * kBlock && n <= NB * kBlock, "int4_f32_linear: out ", n,
-              " does not match ", NB, " blocks of 16");
-  const float* bp = nullptr;
   at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == NB * kBlock,
-                "int4_f32_linear: bias must be fp32 [16 * blocks] (f32_linear.pack_bias)");
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = checked_bias("int4_f32_linear", bias, n, NB, b);
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0 || n == 0) return y;
   const at::Tensor x = x_in.contiguous();
@@ -233,10 +219,7 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
       const float* sb = sp + blk * (K / kGroup) * 2 * kBlock;
       const float* bb = bp ? bp + blk * kBlock : nullptr;
       const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
-      for (int64_t m = 0; m < rows; m += kMaxRows) {
-        const int64_t mr = std::min<int64_t>(kMaxRows, rows - m);
-        kInt4BlockFns[mr](xp + m * K, K, K, cb, sb, bb, yp + m * n + blk * kBlock, n, n_out);
-      }
+      all_rows(xp, rows, K, Int4Weights{cb, sb, {}, {}, {}, {}}, bb, yp + blk * kBlock, n, n_out);
     }
   };
   eb_pool::parallel_for(NB, 4, work);
