@@ -48,31 +48,26 @@ BF16_ENV = "EDGEBUILD_BF16_KERNEL"
 BLOCK = 16  # output features per column block of the packed layout
 GROUP = 32  # input features per scale (INT4_GROUP_SIZE)
 ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+NEEDS = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"}  # in /proc/cpuinfo
 # (built only where /proc/cpuinfo lists these: see _why_not)
 
 
 def _why_not() -> str | None:
     """None when the AMX kernel can be tried here, else why not (one line)."""
-    return cpu_build.why_not_x86(
-        SOURCE, ISA_FLAGS, {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"}
-    )
+    return cpu_build.why_not_x86(SOURCE, ISA_FLAGS, NEEDS)
 
 
 @functools.cache
 def _library() -> tuple[str | None, bool]:
     """Build (once) and load the kernel library: (None, False) when it runs here, else (why
     not, whether the user can fix it, e.g. by installing g++)."""
-    why = _why_not()
-    fixable = why is not None and "compiler" in why  # the CPU could run it: say so louder
-    if why is None:
-        try:
-            cpu_build.build_and_load(SOURCE, ISA_FLAGS)
-            if not torch.ops.edgebuild_cpu.int4_available():
-                why = "the kernel refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-        except Exception as exc:  # a compiler or torch extension failure: fall back
-            why = f"it could not be built or loaded ({cpu_build.first_error(exc)})"
-            fixable = True
-    return why, fixable
+
+    def probe() -> str | None:
+        if torch.ops.edgebuild_cpu.int4_available():
+            return None
+        return "the kernel refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+
+    return cpu_build.try_library(SOURCE, ISA_FLAGS, NEEDS, probe)
 
 
 # kind -> (switch, the fallback's mode name, what runs instead)

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,6 +68,32 @@ def why_not_x86(source: Path, flags: list[str], needs: set[str]) -> str | None:
     ):
         return "no C++ compiler (g++) on PATH to build it"
     return None
+
+
+def try_library(
+    source: Path, flags: list[str], needs: set[str], probe: Callable[[], str | None]
+) -> tuple[str | None, bool]:
+    """Build (once, cached) and load a kernel library that needs the CPU flags ``needs``, then
+    ask ``probe`` (a call into the loaded library: None when it runs, else why not).
+
+    Returns:
+        (None, False) when the library runs here, else (why not in one line, whether the user
+        can fix it: a missing compiler or a failed build, logged louder than a CPU that lacks
+        the instructions).
+
+    Raises:
+        KeyboardInterrupt: the build was interrupted (:func:`build_and_load`).
+    """
+    why = why_not_x86(source, flags, needs)
+    fixable = why is not None and "compiler" in why  # the CPU could run it: say so louder
+    if why is None:
+        try:
+            build_and_load(source, flags)
+            why = probe()
+        except Exception as exc:  # a compiler or torch extension failure: fall back
+            why = f"it could not be built or loaded ({first_error(exc)})"
+            fixable = True
+    return why, fixable
 
 
 def library_name(source: Path, flags: list[str]) -> str:

@@ -38,11 +38,12 @@ SOURCE = Path(__file__).resolve().parent / "kernels" / "f32_linear.cpp"
 ENV = "EDGEBUILD_FP32_KERNEL"
 BLOCK = 16  # output features per packed block
 ISA_FLAGS = ["-mavx2", "-mfma"]  # every x86-64 CPU that has AVX-512 has these too
+NEEDS = {"avx2", "fma"}  # in /proc/cpuinfo
 
 
 def _why_not() -> str | None:
     """None when the kernel can be tried here, else why not (one line)."""
-    return cpu_build.why_not_x86(SOURCE, ISA_FLAGS, {"avx2", "fma"})
+    return cpu_build.why_not_x86(SOURCE, ISA_FLAGS, NEEDS)
 
 
 @functools.cache
@@ -58,16 +59,12 @@ def _load() -> bool:
         raise MissingDependencyError(f"{ENV}={mode!r}: use auto, avx2 or torch")
     if mode == "torch":
         return False
-    why = _why_not()
-    fixable = why is not None and "compiler" in why
-    if why is None:
-        try:
-            cpu_build.build_and_load(SOURCE, ISA_FLAGS)
-            if not torch.ops.edgebuild_f32.f32_available():
-                why = "the CPU reports no AVX2 / FMA"
-        except Exception as exc:  # a compiler or torch extension failure: fall back
-            why = f"it could not be built or loaded ({cpu_build.first_error(exc)})"
-            fixable = True
+    why, fixable = cpu_build.try_library(
+        SOURCE,
+        ISA_FLAGS,
+        NEEDS,
+        lambda: None if torch.ops.edgebuild_f32.f32_available() else "the CPU reports no AVX2",
+    )
     if why is None:
         log.info("fp32: edgebuild's kernel (row-invariant, %s)", SOURCE.name)
         return True
@@ -107,8 +104,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(nb, BLOCK, k).transpose(1, 2).contiguous()
 
 
-def pack_bias(bias: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``bias [out]`` as the kernel reads it: fp32 ``[16 * blocks]``, zero past ``out``."""
+def pack_bias(bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor | None:
+    """``bias [out]`` as the kernels read it: fp32 ``[16 * blocks]`` (blocks =
+    ``packed.shape[0]``, a :func:`pack` / :func:`pack_int4` weight), zero past ``out``; None
+    for no bias."""
+    if bias is None:
+        return None
     b = bias.detach().float().reshape(-1)
     return torch.cat([b, b.new_zeros(packed.shape[0] * BLOCK - b.numel())])
 

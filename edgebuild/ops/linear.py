@@ -141,9 +141,7 @@ class PackedLinear:
         self.f32_kernel = fused.dtype == torch.float32 and f32_linear.available()
         if self.f32_kernel:  # edgebuild's fp32 kernel: row-invariant for any row count
             self.weight, self.packed = f32_linear.pack(fused), True
-            self._f32_bias = (
-                None if self.bias is None else f32_linear.pack_bias(self.bias, self.weight)
-            )
+            self._f32_bias = f32_linear.pack_bias(self.bias, self.weight)
             return
         self.packed = packing_available(fused.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(fused, 1) if self.packed else fused
@@ -161,9 +159,7 @@ class PackedLinear:
         self.packed = True
         if fused.dtype == torch.float32 and f32_linear.available():
             self.weight, self._int4_sl = f32_linear.pack_int4(codes, self.scales)
-            self._f32_bias = (
-                None if self.bias is None else f32_linear.pack_bias(self.bias, self.weight)
-            )
+            self._f32_bias = f32_linear.pack_bias(self.bias, self.weight)
             self.int4_f32 = True  # edgebuild's AVX2 int4 kernel, fp32 inputs
             return
         if fused.dtype == torch.bfloat16 and amx_linear.available():
