@@ -193,3 +193,20 @@ def test_packed_linear_uses_the_int4_kernel_for_fp32_inputs():
     ref = x.double() @ dequantize_int4(codes, sz).double().t() + lin.bias.double()
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(packed(x[2:3, 4:5]), y[2:3, 4:5])
+
+
+def test_bad_shapes_are_refused_with_what_was_wrong():
+    from edgebuild.ops.linear import quantize_int4
+
+    codes, sz = quantize_int4(torch.randn(20, 64))
+    with pytest.raises(ValueError, match=r"scale_and_zero \[2, 20, 2\]"):
+        f32_linear.pack_int4(codes, sz[:1])
+    if not f32_linear.available():
+        return
+    w = f32_linear.pack(torch.randn(20, 64))
+    with pytest.raises(RuntimeError, match="bias must be fp32"):
+        f32_linear.linear(torch.randn(3, 64), w, torch.randn(5), 20)
+    with pytest.raises(RuntimeError, match="out 40 does not match 2 blocks"):
+        f32_linear.linear(torch.randn(3, 64), w, None, 40)
+    with pytest.raises(RuntimeError, match="x has 32 inputs"):
+        f32_linear.linear(torch.randn(3, 32), w, None, 20)

@@ -93,9 +93,10 @@ def _reset() -> None:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout of an fp32 weight ``[out, in]``: fp32 ``[ceil(out / 16), in, 16]``,
-    element ``[b, k, j] = weight[16 b + j, k]``; outputs past ``out`` (padding to a whole block)
-    are zero."""
+    """The kernel's layout of a weight ``[out, in]`` (any float dtype, taken as fp32): fp32
+    ``[ceil(out / 16), in, 16]``, element ``[b, k, j] = weight[16 b + j, k]``; outputs past
+    ``out`` (padding to a whole block) are zero. The layout is this project's own
+    (``kernels/f32_linear.cpp`` reads it)."""
     n, k = weight.shape
     nb = -(-n // BLOCK)
     w = weight.detach().float()
@@ -122,6 +123,11 @@ def linear(
 
     Row-invariant: row i of the result does not depend on the other rows of ``x`` nor on the
     thread count. Call only when :func:`available` is True.
+
+    Raises:
+        RuntimeError: x is not fp32 [rows, in], w not a packed fp32 [blocks, in, 16] of the same
+            ``in``, ``out_features`` does not fill the last block, or the bias is not
+            [16 * blocks] (the kernel's checks name the argument).
     """
     return torch.ops.edgebuild_f32.f32_linear(x, w, bias, out_features)
 
@@ -141,8 +147,16 @@ def pack_int4(
         sl fp32 [ceil(out / 16), in / 32, 2, 16]: per block and group the 16 scales, then the
         16 ``lo = zero - 8 * scale``, so the weight is ``code * scale + lo``). Outputs past
         ``out`` (padding to a whole block) have zero codes, scales and lo.
+
+    Raises:
+        ValueError: ``in`` is not a multiple of 32, or the scales do not match the codes.
     """
     n, k = codes.shape
+    if k % 32 or tuple(scale_and_zero.shape) != (k // 32, n, 2):
+        raise ValueError(
+            f"pack_int4: codes {tuple(codes.shape)} need in % 32 == 0 and scale_and_zero "
+            f"[{k // 32}, {n}, 2], got {tuple(scale_and_zero.shape)}"
+        )
     nb = -(-n // BLOCK)
     pad = nb * BLOCK - n
     c = codes.to(torch.uint8)
@@ -166,5 +180,11 @@ def linear_int4(
 ) -> torch.Tensor:
     """``x fp32 [rows, in] @ W.T (+ bias)`` for a :func:`pack_int4`-ed int4 W (``W = code *
     scale + lo``, widened to fp32 in the kernel): fp32 ``[rows, out_features]``. Row-invariant
-    like :func:`linear`. Call only when :func:`available` is True."""
+    like :func:`linear`. Call only when :func:`available` is True.
+
+    Raises:
+        RuntimeError: x is not fp32 [rows, in] with ``in`` a multiple of 32, or the codes /
+            scales / bias do not have :func:`pack_int4`'s shapes for it (the kernel's checks
+            name the argument).
+    """
     return torch.ops.edgebuild_f32.int4_f32_linear(x, codes, sl, bias, out_features)
