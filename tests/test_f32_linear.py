@@ -210,3 +210,113 @@ def test_bad_shapes_are_refused_with_what_was_wrong():
         f32_linear.linear(torch.randn(3, 64), w, None, 40)
     with pytest.raises(RuntimeError, match="x has 32 inputs"):
         f32_linear.linear(torch.randn(3, 32), w, None, 20)
+
+
+# ------------------------------------------------------------ fused norm / SwiGLU / residual
+def _fp64_rms_norm(x, w, eps):
+    x = x.double()
+    return w.double() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@needs_kernel
+@pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (64, 40)])
+def test_fused_steps_equal_fp64_and_stay_row_invariant(quant, k, n):
+    """norm / swiglu / residual inside the kernel's call against the fp64 composition (the
+    linear's own bound plus the prologue's rounding), more accurate than torch's fp32 ops,
+    every row equal to its 1-row call, the residual added exactly (bit for bit ``r + y``)."""
+    from edgebuild.models.common import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(n, generator=g))
+    norm = RMSNorm(k, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
+    p = PackedLinear([lin], quant)
+    assert p.f32_kernel or p.int4_f32
+    w = lin.weight.double() if quant is None else _int4_weight(lin.weight).double()
+    x = torch.randn(9, k, generator=g) * 3
+    gu = torch.randn(9, 2 * k, generator=g) * 4
+    res = torch.randn(9, n, generator=g)
+    with torch.no_grad():
+        cases = {
+            "norm": (p(x, norm), _fp64_rms_norm(x, norm.weight, 1e-5), p._linear(norm(x))),
+            "swiglu": (
+                p(gu, swiglu=True),
+                torch.nn.functional.silu(gu[:, :k].double()) * gu[:, k:].double(),
+                p._linear(torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]),
+            ),
+        }
+        for name, (got, h, torch_ops) in cases.items():
+            ref = h @ w.t() + lin.bias.double()
+            scale = h.abs() @ w.abs().t() + lin.bias.double().abs()
+            err = ((got.double() - ref).abs() / scale).max().item()
+            err_torch = ((torch_ops.double() - ref).abs() / scale).max().item()
+            assert err < 2e-6 and err <= 1.5 * err_torch, (name, err, err_torch)
+            rows = torch.cat(
+                [p(gu[i : i + 1], swiglu=True) if name == "swiglu" else p(x[i : i + 1], norm)
+                 for i in range(9)]
+            )  # fmt: skip
+            assert torch.equal(rows, got), name
+        assert torch.equal(p(x, residual=res), res + p(x))
+        assert torch.equal(p(x.view(3, 3, k), norm, residual=res.view(3, 3, n)).view(9, n),
+                           res + p(x, norm))  # fmt: skip
+
+
+def _int4_weight(w):
+    from edgebuild.ops.linear import dequantize_int4, quantize_int4
+
+    return dequantize_int4(*quantize_int4(w.detach()))
+
+
+@needs_kernel
+def test_swiglu_follows_silu_at_the_extremes():
+    """silu(g) * 1 for g far out (exp clamped at +-88.38): equal to torch's within 1e-6
+    relative, or both below 1e-33 in magnitude (g <= -88: g / e^88, where torch's is ~0);
+    never inf or nan."""
+    g = torch.tensor([-1e4, -200.0, -88.5, -50.0, -10.0, -1e-3, 0.0, 1e-30, 1.0, 10.0, 50.0,
+                      88.5, 100.0, 1e4, -0.5, 3.0])  # fmt: skip
+    w = torch.eye(16)
+    y = f32_linear.linear(torch.cat([g, torch.ones(16)])[None], f32_linear.pack(w), None, 16,
+                          swiglu=True)[0]  # fmt: skip
+    want = torch.nn.functional.silu(g)
+    assert torch.isfinite(y).all()
+    assert torch.allclose(y, want, rtol=1e-6, atol=1e-33), (y, want)
+
+
+@needs_kernel
+def test_fused_steps_refuse_bad_arguments_by_name():
+    p = f32_linear.pack(torch.randn(16, 32))
+    x = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="norm_weight must be fp32 \\[32\\]"):
+        f32_linear.linear(x, p, None, 16, norm_weight=torch.ones(31))
+    with pytest.raises(RuntimeError, match="cannot both"):
+        f32_linear.linear(torch.randn(2, 64), p, None, 16, norm_weight=torch.ones(32), swiglu=True)
+    with pytest.raises(RuntimeError, match="swiglu: x must be gate \\| up"):
+        f32_linear.linear(x, p, None, 16, swiglu=True)
+    with pytest.raises(RuntimeError, match="residual must be fp32"):
+        f32_linear.linear(x, p, None, 16, residual=torch.zeros(2, 15))
+    codes, sl = f32_linear.pack_int4(torch.zeros(16, 32, dtype=torch.int32), torch.ones(1, 16, 2))
+    with pytest.raises(RuntimeError, match="int4_f32_linear: residual must be fp32"):
+        f32_linear.linear_int4(x, codes, sl, None, 16, residual=torch.zeros(2, 16).double())
+
+
+def test_packed_linear_runs_the_steps_as_torch_ops_without_the_kernel():
+    """The fallback (bf16 here: no fp32 kernel involved) composes norm, SwiGLU and the
+    residual exactly as the unfused model did: ``residual + linear(silu(g) * u)``."""
+    from edgebuild.models.common import RMSNorm
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    norm = RMSNorm(32, 1e-6).to(torch.bfloat16)
+    p = PackedLinear([lin])
+    assert not (p.f32_kernel or p.int4_f32)
+    x, gu = torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
+    r = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(p(x, norm, residual=r), r + p(norm(x)))
+        g, u = gu.chunk(2, -1)
+        assert torch.equal(p(gu, swiglu=True), p(torch.nn.functional.silu(g) * u))

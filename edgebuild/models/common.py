@@ -164,11 +164,21 @@ class GatedMLP(nn.Module):
         self.packed_gate_up: PackedLinear | None = None  # set by pack_for_cpu
         self.packed_down: PackedLinear | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., d]
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., d]
+        norm: nn.Module | None = None,
+        residual: torch.Tensor | None = None,  # [..., d]
+    ) -> torch.Tensor:  # [..., d]
+        """``residual + down(silu(gate(h)) * up(h))`` with ``h = norm(x)`` (each part optional:
+        no norm, h = x; no residual, nothing added). Packed, the norm, SwiGLU and residual run
+        inside the linears' calls (:class:`~edgebuild.ops.linear.PackedLinear`)."""
         if use_packed(self.packed_gate_up):
-            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
-            return self.packed_down(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate_up = self.packed_gate_up(x, norm)
+            return self.packed_down(gate_up, swiglu=True, residual=residual)
+        h = x if norm is None else norm(x)
+        y = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return y if residual is None else residual + y
 
     def pack_for_cpu(self, quant: str | None = None) -> None:
         """Fuse gate/up and pack them and down_proj for eager CPU inference (ops/linear.py)."""
@@ -183,7 +193,10 @@ class PreNormDecoderLayer(nn.Module):
 
     What the rows attend to is the attention module's: the target's causal self-attention
     over its own cache, the draft's non-causal block attention over the cached context K/V
-    (which its ``write_context`` stores). Both take ``(x, kv_cache, batch, rope_table)``.
+    (which its ``write_context`` stores). Both take ``(x, kv_cache, batch, rope_table, norm,
+    residual=)`` and return ``residual + o_proj(attention(qkv(norm(x))))``; the MLP takes
+    ``(x, norm, residual=)``: the norms and residual adds run inside the packed linears' calls
+    on the CPU (:class:`~edgebuild.ops.linear.PackedLinear`), as torch ops otherwise.
 
     Args:
         self_attn: the attention module (with ``pack_for_cpu``); mlp: the MLP (same);
@@ -204,8 +217,8 @@ class PreNormDecoderLayer(nn.Module):
         batch: PagedBatch,
         rope_table: torch.Tensor,  # fp32 [max_position, rotary_dim]
     ) -> torch.Tensor:  # [B, S, d]
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, batch, rope_table)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(x, kv_cache, batch, rope_table, self.input_layernorm, residual=x)
+        return self.mlp(x, self.post_attention_layernorm, residual=x)
 
     def pack_for_cpu(self, quant: str | None = None) -> None:
         """Pack the attention's and the MLP's linears for eager CPU inference."""

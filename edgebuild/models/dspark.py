@@ -250,16 +250,20 @@ class DSparkAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, Bs, d] input_layernorm'ed block rows
+        x: torch.Tensor,  # [B, Bs, d] block rows
         kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D], read only
         batch: PagedBatch,  # the block rows: past = context rows, positions s..s+Bs-1
         rope_table: torch.Tensor,  # fp32 [max_position, head_dim]
+        norm: nn.Module | None = None,  # applied to x first (the layer's input_layernorm)
+        residual: torch.Tensor | None = None,  # [B, Bs, d] added to the output
     ) -> torch.Tensor:  # [B, Bs, d]
-        """Block rows attend to all cached context rows and all block rows (non-causal)."""
+        """Block rows attend to all cached context rows and all block rows (non-causal):
+        ``residual + o_proj(attention(qkv(norm(x))))`` (norm / residual optional)."""
         if use_packed(self.packed_qkv):
-            qkv = self.packed_qkv(x)
+            qkv = self.packed_qkv(x, norm)
         else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            h = x if norm is None else norm(x)
+            qkv = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
         out = attention(
             qkv,
             kv_cache,
@@ -269,7 +273,10 @@ class DSparkAttention(nn.Module):
             self.k_norm.weight,
             self.block_spec,
         )
-        return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
+        if use_packed(self.packed_o):
+            return self.packed_o(out, residual=residual)
+        y = self.o_proj(out)
+        return y if residual is None else residual + y
 
 
 class DSparkMLP(GatedMLP):

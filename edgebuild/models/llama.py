@@ -79,12 +79,15 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D], updated in place
         batch: PagedBatch,
         rope_table: torch.Tensor,  # fp32 [max_position, rotary_dim]
+        norm: nn.Module | None = None,  # applied to x first (the layer's input_layernorm)
+        residual: torch.Tensor | None = None,  # [B, S, d] added to the output
     ) -> torch.Tensor:  # [B, S, d]
         cfg = self.cfg
         if use_packed(self.packed_qkv):
-            qkv = self.packed_qkv(x)
+            qkv = self.packed_qkv(x, norm)
         else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            h = x if norm is None else norm(x)
+            qkv = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
         out = attention(
             qkv,
             kv_cache,
@@ -94,7 +97,10 @@ class LlamaAttention(nn.Module):
             self.k_norm.weight if cfg.qk_norm else None,
             self.spec,
         )
-        return self.packed_o(out) if use_packed(self.packed_o) else self.o_proj(out)
+        if use_packed(self.packed_o):
+            return self.packed_o(out, residual=residual)
+        y = self.o_proj(out)
+        return y if residual is None else residual + y
 
     def pack_for_cpu(self, quant: str | None = None) -> None:
         """Fuse q/k/v and pack q/k/v and o_proj for eager CPU inference (ops/linear.py)."""
@@ -216,9 +222,11 @@ class LlamaForCausalLM(nn.Module):
         if logits_rows is not None:
             idx = logits_rows.unsqueeze(-1).expand(-1, -1, x.shape[-1])
             x = torch.gather(x, 1, idx)
-        h = self.model.norm(x)
         head = self.packed_lm_head
-        logits = (head(h) if use_packed(head) else self.lm_head(h)).float()
+        if use_packed(head):  # the final norm runs inside the head's call (PackedLinear)
+            logits = head(x, self.model.norm).float()
+        else:
+            logits = self.lm_head(self.model.norm(x)).float()
         return logits, tap
 
     def _mrope_rows(

@@ -116,20 +116,40 @@ def pack_bias(bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor |
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x fp32 [rows, in] @ W.T (+ bias)`` for a :func:`pack`-ed W (bias from
     :func:`pack_bias`): fp32 ``[rows, out_features]``.
+
+    Optional steps run in the same call (a decoder layer's small ops, each row on its own):
+
+    * ``norm_weight`` fp32 ``[in]``, ``eps``: the rows are first RMS-normalized as Hugging
+      Face's ``LlamaRMSNorm`` does in fp32 (``w * (x * rsqrt(mean(x^2) + eps))``; the mean of
+      squares summed in fp64, so it may differ from torch's fp32 sum in the last bit);
+    * ``swiglu``: ``x`` is ``[rows, 2 * in]`` = gate | up and ``silu(gate) * up`` is multiplied
+      (``silu(g) = g / (1 + exp(-g))``, exp by a Cephes polynomial, relative error < 2e-7);
+    * ``residual`` fp32 ``[rows, out_features]``: returns ``residual + x @ W.T (+ bias)``.
 
     Row-invariant: row i of the result does not depend on the other rows of ``x`` nor on the
     thread count. Call only when :func:`available` is True.
 
     Raises:
-        RuntimeError: x is not fp32 [rows, in], w not a packed fp32 [blocks, in, 16] of the same
-            ``in``, ``out_features`` does not fill the last block, or the bias is not
-            [16 * blocks] (the kernel's checks name the argument).
+        RuntimeError: x is not fp32 [rows, in] (``2 * in`` with swiglu), w not a packed fp32
+            [blocks, in, 16], ``out_features`` does not fill the last block, the bias is not
+            [16 * blocks], norm_weight not fp32 [in], residual not fp32 [rows, out_features],
+            or both norm_weight and swiglu (the kernel's checks name the argument).
     """
-    return torch.ops.edgebuild_f32.f32_linear(x, w, bias, out_features)
+    return torch.ops.edgebuild_f32.f32_linear(
+        x, w, bias, out_features, norm_weight, eps, swiglu, residual
+    )
 
 
 def pack_int4(
@@ -177,14 +197,22 @@ def linear_int4(
     sl: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x fp32 [rows, in] @ W.T (+ bias)`` for a :func:`pack_int4`-ed int4 W (``W = code *
     scale + lo``, widened to fp32 in the kernel): fp32 ``[rows, out_features]``. Row-invariant
-    like :func:`linear`. Call only when :func:`available` is True.
+    and with the same optional ``norm_weight`` / ``eps``, ``swiglu`` and ``residual`` steps as
+    :func:`linear`. Call only when :func:`available` is True.
 
     Raises:
-        RuntimeError: x is not fp32 [rows, in] with ``in`` a multiple of 32, or the codes /
-            scales / bias do not have :func:`pack_int4`'s shapes for it (the kernel's checks
-            name the argument).
+        RuntimeError: x is not fp32 [rows, in] with ``in`` a multiple of 32 (``2 * in`` with
+            swiglu), or the codes / scales / bias / norm_weight / residual do not have the
+            shapes above for it (the kernel's checks name the argument).
     """
-    return torch.ops.edgebuild_f32.int4_f32_linear(x, codes, sl, bias, out_features)
+    return torch.ops.edgebuild_f32.int4_f32_linear(
+        x, codes, sl, bias, out_features, norm_weight, eps, swiglu, residual
+    )

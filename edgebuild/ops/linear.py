@@ -174,7 +174,61 @@ class PackedLinear:
             )
         self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        norm: nn.Module | None = None,
+        *,
+        swiglu: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[..., in]`` -> ``[..., out]``, with a decoder layer's small ops around it.
+
+        Args:
+            x: ``[..., in]`` (``[..., 2 * in]`` with ``swiglu``).
+            norm: an RMSNorm module (``weight [in]``, ``eps``) applied to ``x`` first.
+            swiglu: ``x`` is gate | up; ``silu(gate) * up`` is multiplied.
+            residual: ``[..., out]``; returns ``residual + linear(x)``.
+
+        With edgebuild's fp32 / int4 kernels (:mod:`edgebuild.ops.f32_linear`) these steps
+        run inside the kernel's call (one call for what were ~10 torch ops); otherwise as the
+        torch ops :class:`~edgebuild.models.common.RMSNorm`, ``F.silu`` and ``+``.
+        """
+        if (self.f32_kernel or self.int4_f32) and x.dtype == torch.float32:
+            return self._fused(x, norm, swiglu, residual)
+        if norm is not None:
+            x = norm(x)
+        if swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        y = self._linear(x)
+        return y if residual is None else residual + y
+
+    def _fused(
+        self,
+        x: torch.Tensor,
+        norm: nn.Module | None,
+        swiglu: bool,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The fp32 / int4 kernels' call with the norm / swiglu / residual steps inside."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        extra = {
+            "norm_weight": None if norm is None else norm.weight,
+            "eps": 0.0 if norm is None else norm.eps,
+            "swiglu": swiglu,
+            "residual": None if residual is None else residual.reshape(-1, self.out_features),
+        }
+        if self.f32_kernel:
+            y = f32_linear.linear(x2, self.weight, self._f32_bias, self.out_features, **extra)
+        else:
+            y = f32_linear.linear_int4(
+                x2, self.weight, self._int4_sl, self._f32_bias, self.out_features, **extra
+            )
+        return y.reshape(*lead, self.out_features)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if not self.packed:

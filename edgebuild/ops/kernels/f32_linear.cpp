@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "pool.h"
@@ -132,20 +133,130 @@ const float* checked_bias(const char* op, const c10::optional<at::Tensor>& bias,
   return keep.data_ptr<float>();
 }
 
+// ---------------------------------------------------------------- fused input / output steps
+// A decoder layer's small ops run inside its linears' calls (edgebuild.ops.linear.PackedLinear):
+// the input rows can be RMSNorm'ed (input_layernorm before q/k/v, post_attention_layernorm
+// before gate/up, the final norm before lm_head) or SwiGLU'ed (silu(gate) * up before
+// down_proj), and the output can be added to a residual. In torch ops these were ~20 calls a
+// layer, ~40% of an int4 decode step at one thread (bench/README.md). Every row is computed on
+// its own, so the ops stay row-invariant.
+
+// exp(x) for 8 floats (Cephes expf, the polynomial of avx_mathfun: |rel err| < 2e-7 on the
+// clamped range; e^x of x < -88.38 is 0 or a denormal's neighbour, of x > 88.38 is clamped).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
+                    _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// HF's RMSNorm of one row (LlamaRMSNorm, fp32): w * (x * rsqrt(mean(x^2) + eps)). The sum of
+// squares is accumulated in fp64 (so it is the fp32 rounding of the exact mean, where torch's
+// fp32 sum may differ from it in the last bits); the rest as torch's fp32 ops round it.
+__attribute__((target("avx2,fma"))) void rms_norm_row(const float* x, const float* w, float eps,
+                                                      int64_t K, float* h) {
+  __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    s0 = _mm256_fmadd_pd(lo, lo, s0);
+    s1 = _mm256_fmadd_pd(hi, hi, s1);
+  }
+  alignas(32) double part[4];
+  _mm256_store_pd(part, _mm256_add_pd(s0, s1));
+  double ss = (part[0] + part[1]) + (part[2] + part[3]);
+  for (; k < K; ++k) ss += static_cast<double>(x[k]) * x[k];
+  const float var = static_cast<float>(ss / static_cast<double>(K));
+  const float r = 1.0f / std::sqrt(var + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  for (k = 0; k + 8 <= K; k += 8)
+    _mm256_storeu_ps(h + k, _mm256_mul_ps(_mm256_loadu_ps(w + k),
+                                          _mm256_mul_ps(_mm256_loadu_ps(x + k), rv)));
+  for (; k < K; ++k) h[k] = w[k] * (x[k] * r);
+}
+
+// silu(gate) * up of one row (gate = x[0..K), up = x[K..2K)): g / (1 + exp(-g)) * u.
+__attribute__((target("avx2,fma"))) void swiglu_row(const float* x, int64_t K, float* h) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 g = _mm256_loadu_ps(x + k);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(h + k, _mm256_mul_ps(s, _mm256_loadu_ps(x + K + k)));
+  }
+  for (; k < K; ++k) h[k] = x[k] / (1.0f + std::exp(-x[k])) * x[K + k];
+}
+
+// The rows the kernel multiplies: x itself ([rows, K]), its RMSNorm with `norm_w` ([K]), or
+// its SwiGLU (x [rows, 2K] = gate | up). Checks name the op and the argument.
+at::Tensor kernel_input(const char* op, const at::Tensor& x_in, int64_t K,
+                        const c10::optional<at::Tensor>& norm_w, double eps, bool swiglu) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, op,
+              ": x must be fp32 [rows, in]");
+  const bool norm = norm_w.has_value() && norm_w->defined();
+  TORCH_CHECK(!(norm && swiglu), op, ": norm_weight and swiglu cannot both be given");
+  const int64_t width = swiglu ? 2 * K : K;
+  TORCH_CHECK(x_in.size(1) == width, op, ": x has ", x_in.size(1), " inputs, the weight ", K,
+              swiglu ? " (swiglu: x must be gate | up, 2 * in wide)" : "");
+  at::Tensor x = x_in.contiguous();
+  if (!norm && !swiglu) return x;
+  const int64_t rows = x.size(0);
+  auto h = at::empty({rows, K}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  if (norm) {
+    const at::Tensor w = norm_w->contiguous();
+    TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.size(0) == K, op,
+                ": norm_weight must be fp32 [", K, "]");
+    const float* wp = w.data_ptr<float>();
+    for (int64_t m = 0; m < rows; ++m)
+      rms_norm_row(xp + m * K, wp, static_cast<float>(eps), K, hp + m * K);
+  } else {
+    for (int64_t m = 0; m < rows; ++m) swiglu_row(xp + m * 2 * K, K, hp + m * K);
+  }
+  return h;
+}
+
+// y = residual + y (row-wise, as torch's `residual + linear(x)`).
+void add_residual(const char* op, at::Tensor& y, const c10::optional<at::Tensor>& residual) {
+  if (!residual.has_value() || !residual->defined()) return;
+  const at::Tensor r = residual->contiguous();
+  TORCH_CHECK(r.scalar_type() == at::kFloat && r.sizes() == y.sizes(), op,
+              ": residual must be fp32 ", y.sizes(), ", got ", r.scalar_type(), " ", r.sizes());
+  const float* rp = r.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0, n = y.numel(); i < n; ++i) yp[i] = rp[i] + yp[i];
+}
+
 at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                      int64_t n) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
-              "f32_linear: x must be fp32 [rows, in]");
+                      int64_t n, const c10::optional<at::Tensor>& norm_w, double eps, bool swiglu,
+                      const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.size(2) == kBlock &&
                   w.is_contiguous(),
               "f32_linear: w must be fp32 [ceil(out / 16), in, 16] (f32_linear.pack)");
-  const int64_t rows = x_in.size(0), K = x_in.size(1), NB = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "f32_linear: x has ", K, " inputs, the weight ", w.size(1));
+  const int64_t K = w.size(1), NB = w.size(0);
+  const at::Tensor x = kernel_input("f32_linear", x_in, K, norm_w, eps, swiglu);
+  const int64_t rows = x.size(0);
   at::Tensor b;
   const float* bp = checked_bias("f32_linear", bias, n, NB, b);
-  auto y = at::empty({rows, n}, x_in.options());
+  auto y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  const at::Tensor x = x_in.contiguous();
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -158,6 +269,7 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
     }
   };
   eb_pool::parallel_for(NB, 4, work);  // each output is computed by one thread: same bits
+  add_residual("f32_linear", y, residual);
   return y;
 }
 
@@ -191,24 +303,24 @@ struct Int4Weights {
 };
 
 at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sl,
-                           const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
-              "int4_f32_linear: x must be fp32 [rows, in]");
-  const int64_t rows = x_in.size(0), K = x_in.size(1);
+                           const c10::optional<at::Tensor>& bias, int64_t n,
+                           const c10::optional<at::Tensor>& norm_w, double eps, bool swiglu,
+                           const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == 8 &&
-                  codes.size(1) == K && codes.is_contiguous(),
+                  codes.is_contiguous(),
               "int4_f32_linear: codes must be uint8 [ceil(out / 16), in, 8] (pack_int4)");
-  const int64_t NB = codes.size(0);
+  const int64_t K = codes.size(1), NB = codes.size(0);
   TORCH_CHECK(K % kGroup == 0, "int4_f32_linear: in (", K, ") must be a multiple of 32");
   TORCH_CHECK(sl.dim() == 4 && sl.scalar_type() == at::kFloat && sl.size(0) == NB &&
                   sl.size(1) == K / kGroup && sl.size(2) == 2 && sl.size(3) == kBlock &&
                   sl.is_contiguous(),
               "int4_f32_linear: scales must be fp32 [blocks, in / 32, 2, 16] (pack_int4)");
+  const at::Tensor x = kernel_input("int4_f32_linear", x_in, K, norm_w, eps, swiglu);
+  const int64_t rows = x.size(0);
   at::Tensor b;
   const float* bp = checked_bias("int4_f32_linear", bias, n, NB, b);
-  auto y = at::empty({rows, n}, x_in.options());
+  auto y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  const at::Tensor x = x_in.contiguous();
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = sl.data_ptr<float>();
@@ -223,6 +335,7 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
     }
   };
   eb_pool::parallel_for(NB, 4, work);
+  add_residual("int4_f32_linear", y, residual);
   return y;
 }
 
@@ -231,8 +344,15 @@ bool available() { return __builtin_cpu_supports("avx2") && __builtin_cpu_suppor
 }  // namespace
 
 TORCH_LIBRARY(edgebuild_f32, m) {
-  m.def("f32_linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
-  m.def("int4_f32_linear(Tensor x, Tensor codes, Tensor sl, Tensor? bias, int n) -> Tensor");
+  // norm_weight / eps: RMSNorm the input rows first; swiglu: x is gate | up, silu(gate) * up
+  // is multiplied; residual: returned is residual + x W^T (+ bias) (kernel_input, add_residual)
+  m.def(
+      "f32_linear(Tensor x, Tensor w, Tensor? bias, int n, Tensor? norm_weight=None, "
+      "float eps=0.0, bool swiglu=False, Tensor? residual=None) -> Tensor");
+  m.def(
+      "int4_f32_linear(Tensor x, Tensor codes, Tensor sl, Tensor? bias, int n, "
+      "Tensor? norm_weight=None, float eps=0.0, bool swiglu=False, Tensor? residual=None) -> "
+      "Tensor");
   m.def("f32_available() -> bool", &available);
 }
 TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
