@@ -179,11 +179,17 @@ def test_int4_kernel_equals_the_dequantized_weight_in_fp64_and_is_row_invariant(
 
 
 @needs_kernel
-def test_packed_linear_uses_the_int4_kernel_for_fp32_inputs():
+def test_packed_linear_uses_the_int4_kernel_for_fp32_inputs(monkeypatch):
     torch.manual_seed(6)
     lin = torch.nn.Linear(64, 40, bias=True)
-    packed = PackedLinear([lin], quant="int4")
-    assert packed.int4_f32 and not packed.f32_kernel
+    monkeypatch.setenv(f32_linear.ACT_ENV, "fp32")  # the inputs as they are
+    f32_linear._reset()
+    try:
+        packed = PackedLinear([lin], quant="int4")
+    finally:
+        monkeypatch.delenv(f32_linear.ACT_ENV)
+        f32_linear._reset()
+    assert packed.int4_f32 and not packed.f32_kernel and not packed.int4_a8
     x = torch.randn(3, 5, 64)
     y = packed(x)
     assert y.shape == (3, 5, 40) and y.dtype == torch.float32
@@ -384,3 +390,36 @@ def test_int4_a8_bad_shapes_are_refused_with_what_was_wrong():
     for args, msg in cases:
         with pytest.raises(RuntimeError, match=msg):
             f32_linear.linear_int4_a8(*args)
+
+
+@needs_kernel
+def test_packed_linear_int4_takes_int8_inputs_unless_switched_to_fp32(monkeypatch):
+    from edgebuild.ops.linear import quantize_int4
+
+    torch.manual_seed(12)
+    lin = torch.nn.Linear(64, 40, bias=True)
+    x = torch.randn(3, 5, 64)
+    codes, sz = quantize_int4(lin.weight)
+    try:
+        for mode in ("int8", "fp32"):
+            monkeypatch.setenv(f32_linear.ACT_ENV, mode)
+            f32_linear._reset()
+            packed = PackedLinear([lin], quant="int4")
+            assert packed.int4_f32 and packed.int4_a8 == (mode == "int8")
+            y = packed(x)
+            assert y.shape == (3, 5, 40) and y.dtype == torch.float32
+            if mode == "int8":
+                want = f32_linear.linear_int4_a8(
+                    x.reshape(15, 64), *f32_linear.pack_int4_a8(codes, sz),
+                    f32_linear.pack_bias(lin.bias, packed.weight), 40,
+                )  # fmt: skip
+                assert torch.equal(y.reshape(15, 40), want)
+            assert torch.equal(packed(x[2:3, 4:5]), y[2:3, 4:5])
+        monkeypatch.setenv(f32_linear.ACT_ENV, "int2")
+        f32_linear._reset()
+        with pytest.raises(MissingDependencyError, match="EDGEBUILD_INT4_ACTIVATIONS='int2'"):
+            PackedLinear([lin], quant="int4")
+    finally:
+        monkeypatch.delenv(f32_linear.ACT_ENV)
+        f32_linear._reset()
+    assert f32_linear.int4_activations() == f32_linear.DEFAULT_INT4_ACTIVATIONS

@@ -36,6 +36,8 @@ log = logging.getLogger("edgebuild.runtime")
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "f32_linear.cpp"
 ENV = "EDGEBUILD_FP32_KERNEL"
+ACT_ENV = "EDGEBUILD_INT4_ACTIVATIONS"  # int8 | fp32: int4 linears' inputs (int4_activations)
+DEFAULT_INT4_ACTIVATIONS = "int8"
 BLOCK = 16  # output features per packed block
 ISA_FLAGS = ["-mavx2", "-mfma"]  # every x86-64 CPU that has AVX-512 has these too
 NEEDS = {"avx2", "fma"}  # in /proc/cpuinfo
@@ -87,9 +89,27 @@ def available() -> bool:
     return _load()
 
 
+@functools.cache
+def int4_activations() -> str:
+    """``"int8"`` or ``"fp32"``: how an int4 linear on an fp32 runtime treats its inputs, as
+    ``EDGEBUILD_INT4_ACTIVATIONS`` says (read once). ``int8`` (the default): quantized per row
+    and group of 32 to int8 in the kernel (:func:`linear_int4_a8`, integer dot products);
+    ``fp32``: used as they are (:func:`linear_int4`, the codes widened to fp32).
+
+    Raises:
+        MissingDependencyError: the switch is not int8 or fp32.
+    """
+    mode = os.environ.get(ACT_ENV, DEFAULT_INT4_ACTIVATIONS).strip().lower()
+    mode = mode or DEFAULT_INT4_ACTIVATIONS
+    if mode not in ("int8", "fp32"):
+        raise MissingDependencyError(f"{ACT_ENV}={mode!r}: use int8 or fp32")
+    return mode
+
+
 def _reset() -> None:
-    """Forget what was decided (tests that change the switch)."""
+    """Forget what was decided (tests that change the switches)."""
     _load.cache_clear()
+    int4_activations.cache_clear()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
