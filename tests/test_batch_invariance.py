@@ -207,8 +207,9 @@ def test_unknown_quant_mode_is_refused_by_name(smollm2_dir):
 # ---------------------------------------------------------------------- --quant int4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_matmul_equals_the_dequantized_reference(dtype):
-    """The packed int4 kernel computes x @ dequantize(codes).T; the codes are within half a
-    step of the weight (the rounding bound of min/max group quantization)."""
+    """The packed int4 kernel computes x @ dequantize(codes).T (x quantized per group of 32 to
+    int8 first where the fp32 runtime's kernel does that); the codes are within half a step of
+    the weight (the rounding bound of min/max group quantization)."""
     g = torch.Generator().manual_seed(3)
     for out_f, in_f in [(96, 64), (576, 1536), (49152 // 64, 576)]:
         lin = torch.nn.Linear(in_f, out_f, bias=True)
@@ -221,8 +222,14 @@ def test_int4_matmul_equals_the_dequantized_reference(dtype):
         step = sz[..., 0].transpose(0, 1).repeat_interleave(INT4_GROUP_SIZE, 1)  # [out, in]
         assert bool(((deq - lin.weight.float()).abs() <= step / 2 + 1e-6).all())
         x = torch.randn(5, in_f, generator=g).to(dtype)
-        ref = x.float() @ deq.T + lin.bias.detach().float()
-        got = PackedLinear([lin], quant="int4")(x)
+        packed = PackedLinear([lin], quant="int4")
+        xr = x.float()
+        if packed.int4_a8:  # fp32 runtime, EDGEBUILD_INT4_ACTIVATIONS=int8: x as quantized
+            xg = xr.reshape(5, in_f // 32, 32)
+            sx = xg.abs().amax(-1, keepdim=True) / 127.0
+            xr = (torch.round(xg / sx) * sx).reshape(5, in_f)
+        ref = xr @ deq.T + lin.bias.detach().float()
+        got = packed(x)
         assert got.dtype == dtype
         tol = 1e-4 if dtype is torch.float32 else 3e-2
         torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
@@ -250,12 +257,14 @@ def test_int4_width_not_a_multiple_of_the_group_is_refused():
         PackedLinear([torch.nn.Linear(40, 8)], quant="int4")
 
 
-def test_int4_dspark_equals_int4_target_only(smollm2_dir, threads):
-    """`--quant int4` (bf16 compute, as `edgebuild run --quant int4` on a bf16 host; fp32
-    activations take a slow int4 kernel path: 330 s here): DSpark equals int4 target-only bit for bit
-    (row-invariant kernel), and the int4 model's first token matches fp32's on every prompt."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_dspark_equals_int4_target_only(smollm2_dir, threads, dtype):
+    """`--quant int4` in bf16 (as `edgebuild run --quant int4` on a bf16 host) and in fp32 (an
+    AVX2 host: edgebuild's int4 kernel, by default with int8-quantized inputs,
+    EDGEBUILD_INT4_ACTIVATIONS): DSpark equals int4 target-only bit for bit (row-invariant
+    kernels), and the int4 model's first token matches fp32's on every prompt."""
     torch.set_num_threads(1)
-    q = RuntimeOptions(dtype=torch.bfloat16, max_kv_rows=2048, quant="int4")
+    q = RuntimeOptions(dtype=dtype, max_kv_rows=2048, quant="int4")
     plain = LLM(smollm2_dir, options=q)
     spec = LLM(smollm2_dir, speculative={**SPEC, "confidence_scheduling": False}, options=q)
     ref = LLM(smollm2_dir, options=RuntimeOptions(dtype=torch.float32, max_kv_rows=2048))

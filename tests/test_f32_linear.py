@@ -179,11 +179,17 @@ def test_int4_kernel_equals_the_dequantized_weight_in_fp64_and_is_row_invariant(
 
 
 @needs_kernel
-def test_packed_linear_uses_the_int4_kernel_for_fp32_inputs():
+def test_packed_linear_uses_the_int4_kernel_for_fp32_inputs(monkeypatch):
     torch.manual_seed(6)
     lin = torch.nn.Linear(64, 40, bias=True)
-    packed = PackedLinear([lin], quant="int4")
-    assert packed.int4_f32 and not packed.f32_kernel
+    monkeypatch.setenv(f32_linear.ACT_ENV, "fp32")  # the inputs as they are
+    f32_linear._reset()
+    try:
+        packed = PackedLinear([lin], quant="int4")
+    finally:
+        monkeypatch.delenv(f32_linear.ACT_ENV)
+        f32_linear._reset()
+    assert packed.int4_f32 and not packed.f32_kernel and not packed.int4_a8
     x = torch.randn(3, 5, 64)
     y = packed(x)
     assert y.shape == (3, 5, 40) and y.dtype == torch.float32
@@ -219,13 +225,18 @@ def _fp64_rms_norm(x, w, eps):
 
 
 @needs_kernel
-@pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.parametrize("quant", [None, "int4-fp32", "int4-int8"])
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (64, 40)])
-def test_fused_steps_equal_fp64_and_stay_row_invariant(quant, k, n):
+def test_fused_steps_equal_fp64_and_stay_row_invariant(quant, k, n, monkeypatch):
     """norm / swiglu / residual inside the kernel's call against the fp64 composition (the
     linear's own bound plus the prologue's rounding), more accurate than torch's fp32 ops,
-    every row equal to its 1-row call, the residual added exactly (bit for bit ``r + y``)."""
+    every row equal to its 1-row call, the residual added exactly (bit for bit ``r + y``).
+    int4 with int8 inputs: within the inputs' quantization bound (sum of sx / 2 |w|)."""
     from edgebuild.models.common import RMSNorm
+
+    if quant is not None:
+        monkeypatch.setenv(f32_linear.ACT_ENV, quant.split("-")[1])
+        f32_linear._reset()
 
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(k, n)
@@ -235,8 +246,13 @@ def test_fused_steps_equal_fp64_and_stay_row_invariant(quant, k, n):
     norm = RMSNorm(k, 1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
-    p = PackedLinear([lin], quant)
+    try:
+        p = PackedLinear([lin], quant and "int4")
+    finally:  # the switch is read once: forget this test's value
+        monkeypatch.delenv(f32_linear.ACT_ENV, raising=False)
+        f32_linear._reset()
     assert p.f32_kernel or p.int4_f32
+    assert p.int4_a8 == (quant == "int4-int8")
     w = lin.weight.double() if quant is None else _int4_weight(lin.weight).double()
     x = torch.randn(9, k, generator=g) * 3
     gu = torch.randn(9, 2 * k, generator=g) * 4
@@ -253,9 +269,15 @@ def test_fused_steps_equal_fp64_and_stay_row_invariant(quant, k, n):
         for name, (got, h, torch_ops) in cases.items():
             ref = h @ w.t() + lin.bias.double()
             scale = h.abs() @ w.abs().t() + lin.bias.double().abs()
-            err = ((got.double() - ref).abs() / scale).max().item()
-            err_torch = ((torch_ops.double() - ref).abs() / scale).max().item()
-            assert err < 2e-6 and err <= 1.5 * err_torch, (name, err, err_torch)
+            if p.int4_a8:  # + the int8 rounding of each input (half a step sx = max|h| / 127)
+                sx = h.reshape(9, -1, 32).abs().amax(-1, keepdim=True) / 127
+                step = (sx / 2).expand(-1, -1, 32).reshape(9, k)
+                bound = step @ w.abs().t() + 2e-6 * scale
+                assert ((got.double() - ref).abs() <= bound).all(), name
+            else:
+                err = ((got.double() - ref).abs() / scale).max().item()
+                err_torch = ((torch_ops.double() - ref).abs() / scale).max().item()
+                assert err < 2e-6 and err <= 1.5 * err_torch, (name, err, err_torch)
             rows = torch.cat(
                 [p(gu[i : i + 1], swiglu=True) if name == "swiglu" else p(x[i : i + 1], norm)
                  for i in range(9)]
@@ -320,3 +342,210 @@ def test_packed_linear_runs_the_steps_as_torch_ops_without_the_kernel():
         assert torch.equal(p(x, norm, residual=r), r + p(norm(x)))
         g, u = gu.chunk(2, -1)
         assert torch.equal(p(gu, swiglu=True), p(torch.nn.functional.silu(g) * u))
+
+
+# ------------------------------------------------- int4 weights, int8-quantized inputs (W4A8)
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specified activation quantization in torch, fp32 as the kernel computes it: per row
+    and group of 32, sx = max|x| / 127, xq = round-half-even(x / sx) (0 where sx is 0).
+    Returns (xq float [rows, in], sx [rows, in / 32])."""
+    rows, k = x.shape
+    xg = x.reshape(rows, k // 32, 32)
+    sx = xg.abs().amax(-1) / 127.0
+    xq = torch.where(sx[..., None] > 0, torch.round(xg / sx[..., None]), torch.zeros_like(xg))
+    return xq.reshape(rows, k), sx
+
+
+def _a8_oracle(x, codes, sz, bias):
+    """float64: sum_g sx_g sum_k (code * scale + lo) xq (+ bias), with lo = zero - 8 scale
+    exact, and the bound of the kernel's fp32 steps (see kernels/f32_linear.cpp): each group's
+    term fma(isum, fl(scale sx), fl(lo fl(sx sum xq))) within ~5 roundings of its parts, G
+    adds, one bias add: (G + 6) u S + u |y|, S = sum_g |scale sx isum| + |lo sx sum xq|."""
+    xq, sx = _int8_rows(x)
+    rows, k = x.shape
+    n, g = codes.shape[0], k // 32
+    c = codes.double().reshape(n, g, 32)
+    s, z = sz[..., 0].t().double(), sz[..., 1].t().double()  # [out, G]
+    lo = z - 8 * s
+    xq3 = xq.double().reshape(rows, g, 32)
+    isum = torch.einsum("rgk,ngk->rng", xq3, c)  # exact integers
+    a = isum * s[None] * sx.double()[:, None, :]
+    b = lo[None] * (sx.double() * xq3.sum(-1))[:, None, :]
+    ref = (a + b).sum(-1)
+    if bias is not None:
+        ref = ref + bias.double()
+    bound = (g + 6) * 2.0**-24 * (a.abs() + b.abs()).sum(-1) + 2.0**-24 * ref.abs() + 1e-30
+    return ref, bound
+
+
+@needs_kernel
+def test_int8_rows_equal_torch_quantization_bit_for_bit():
+    assert f32_linear.available()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 160, generator=g) * torch.logspace(-6, 3, 160)  # groups of every scale
+    x[2, 32:64] = 0.0  # a zero group: sx = xq = 0
+    x[3, :32] = torch.tensor([1.0, -1.0] * 16) * 127.0 / 2 ** torch.arange(32)  # ties, powers
+    x[4, 64:96] = torch.arange(-16, 16) * (2.0 / 127.0)  # x / sx near half-integers
+    xq, sx, ms = f32_linear.quantize_rows_int8(x)
+    want_q, want_s = _int8_rows(x)
+    assert xq.dtype == torch.int8 and xq.shape == (9, 160) and sx.shape == (9, 5)
+    assert torch.equal(xq.float(), want_q) and torch.equal(sx, want_s)
+    assert int(xq.abs().max()) == 127
+    assert torch.equal(ms, sx * want_q.reshape(9, 5, 32).sum(-1))
+    bad = x.clone()
+    bad[1, 40], bad[5, 0] = float("nan"), float("inf")
+    _, sx_bad, ms_bad = f32_linear.quantize_rows_int8(bad)
+    assert sx_bad[1, 1].isnan() and ms_bad[5, 0].isnan() and not sx_bad[1, 0].isnan()
+
+
+def test_int4_a8_pack_layout_holds_every_code_scale_and_lo():
+    from edgebuild.ops.linear import quantize_int4
+
+    torch.manual_seed(8)
+    n, k = 20, 64
+    codes, sz = quantize_int4(torch.randn(n, k))
+    pc, sl = f32_linear.pack_int4_a8(codes, sz)
+    assert pc.shape == (2, 2, k // 32, 128) and pc.dtype == torch.uint8
+    assert sl.shape == (2, 2, k // 32, 16) and sl.dtype == torch.float32
+    for o in range(32):
+        b, h, j = o // 16, (o // 8) % 2, o % 8
+        for kk in range(k):
+            g, s, hi, i = kk // 32, (kk % 32) // 8, (kk % 8) // 4, kk % 4
+            byte = int(pc[b, h, g, 32 * s + 4 * j + i])
+            got = byte >> 4 if hi else byte & 0xF
+            assert got == (int(codes[o, kk]) if o < n else 0), (o, kk)
+        for g in range(k // 32):
+            s, lo = float(sl[b, h, g, j]), float(sl[b, h, g, 8 + j])
+            if o < n:
+                want_s, z = float(sz[g, o, 0]), float(sz[g, o, 1])
+                assert s == want_s and lo == float(torch.tensor(z) - 8 * torch.tensor(want_s))
+            else:
+                assert s == 0.0 and lo == 0.0
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "n,k", [(20, 64), (24, 64), (37, 96), (960, 576), (576, 1536), (3000, 576)]
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_int4_a8_kernel_equals_the_fp64_oracle_and_is_row_invariant(n, k, with_bias):
+    from edgebuild.ops.linear import quantize_int4
+
+    assert f32_linear.available()
+    g = torch.Generator().manual_seed(9)
+    codes, sz = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    pc, sl = f32_linear.pack_int4_a8(codes, sz)
+    b = f32_linear.pack_bias(bias, pc)
+    x = torch.randn(40, k, generator=g) + 0.3 * torch.randn(k, generator=g)  # a mean per input
+    full = f32_linear.linear_int4_a8(x, pc, sl, b, n)
+    assert full.shape == (40, n) and full.dtype == torch.float32
+    ref, bound = _a8_oracle(x, codes, sz, bias)
+    assert ((full.double() - ref).abs() <= bound).all()
+    for rows in range(1, 14):  # chunks of 8 rows and their remainders
+        part = f32_linear.linear_int4_a8(x[:rows].contiguous(), pc, sl, b, n)
+        assert torch.equal(part, full[:rows]), rows
+    one = torch.cat([f32_linear.linear_int4_a8(x[i : i + 1], pc, sl, b, n) for i in range(40)])
+    assert torch.equal(one, full)
+    assert torch.equal(f32_linear.linear_int4_a8(x[3:12], pc, sl, b, n), full[3:12])  # offsets
+    assert f32_linear.linear_int4_a8(x[:0], pc, sl, b, n).shape == (0, n)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)])
+def test_int4_a8_is_within_the_activation_rounding_of_the_fp32_input_kernel(n, k):
+    """|y_int8 - y_fp32| <= sum_k |w_k| |x_k - sx xq_k| <= sum_g sx_g (1/2 + 127 u) sum |w|
+    (+ both kernels' fp32 rounding), and typically far below: rms 0.5% of the output's here."""
+    from edgebuild.ops.linear import dequantize_int4, quantize_int4
+
+    assert f32_linear.available()
+    g = torch.Generator().manual_seed(10)
+    codes, sz = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(8, k, generator=g)
+    a8 = f32_linear.linear_int4_a8(x, *f32_linear.pack_int4_a8(codes, sz), None, n).double()
+    f32 = f32_linear.linear_int4(x, *f32_linear.pack_int4(codes, sz), None, n).double()
+    w = dequantize_int4(codes, sz).double().abs()  # [out, in]
+    _, sx = _int8_rows(x)
+    step = sx.double().repeat_interleave(32, 1) * (0.5 + 127 * 2.0**-24)  # [rows, in]
+    bound = step @ w.t() + 2.0**-16 * (x.double().abs() @ w.t()) + 1e-6
+    assert ((a8 - f32).abs() <= bound).all()
+    rel = float((a8 - f32).pow(2).mean().sqrt() / f32.pow(2).mean().sqrt())
+    assert rel < 0.01, rel
+
+
+@needs_kernel
+def test_int4_a8_two_threads_give_the_same_bits():
+    from edgebuild.ops.linear import quantize_int4
+
+    assert f32_linear.available()
+    g = torch.Generator().manual_seed(11)
+    codes, sz = quantize_int4(torch.randn(1000, 576, generator=g))
+    pc, sl = f32_linear.pack_int4_a8(codes, sz)
+    x = torch.randn(9, 576, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = f32_linear.linear_int4_a8(x, pc, sl, None, 1000)
+        torch.set_num_threads(2)
+        two = f32_linear.linear_int4_a8(x, pc, sl, None, 1000)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_int4_a8_bad_shapes_are_refused_with_what_was_wrong():
+    from edgebuild.ops.linear import quantize_int4
+
+    codes, sz = quantize_int4(torch.randn(20, 96))
+    with pytest.raises(ValueError, match=r"scale_and_zero \[3, 20, 2\]"):
+        f32_linear.pack_int4_a8(codes, sz[:1])
+    if not f32_linear.available():
+        return
+    pc, sl = f32_linear.pack_int4_a8(codes, sz)
+    old_c, old_sl = f32_linear.pack_int4(codes, sz)
+    x = torch.randn(3, 96)
+    cases = [
+        ((torch.randn(3, 80), pc, sl, None, 20), "x has 80 inputs, the weight 96"),
+        ((x.double(), pc, sl, None, 20), "x must be fp32"),
+        ((torch.randn(3, 64), pc, sl, None, 20), "x has 64 inputs, the weight 96"),
+        ((x, old_c, sl, None, 20), "codes must be uint8"),
+        ((x, pc, old_sl, None, 20), r"scales must be fp32 \[blocks, 2, in / 32, 16\]"),
+        ((x, pc, sl, torch.randn(20), 20), "bias must be fp32"),
+        ((x, pc, sl, None, 40), "out 40 does not match 2 blocks"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(RuntimeError, match=msg):
+            f32_linear.linear_int4_a8(*args)
+
+
+@needs_kernel
+def test_packed_linear_int4_takes_int8_inputs_unless_switched_to_fp32(monkeypatch):
+    from edgebuild.ops.linear import quantize_int4
+
+    torch.manual_seed(12)
+    lin = torch.nn.Linear(64, 40, bias=True)
+    x = torch.randn(3, 5, 64)
+    codes, sz = quantize_int4(lin.weight)
+    try:
+        for mode in ("int8", "fp32"):
+            monkeypatch.setenv(f32_linear.ACT_ENV, mode)
+            f32_linear._reset()
+            packed = PackedLinear([lin], quant="int4")
+            assert packed.int4_f32 and packed.int4_a8 == (mode == "int8")
+            y = packed(x)
+            assert y.shape == (3, 5, 40) and y.dtype == torch.float32
+            if mode == "int8":
+                want = f32_linear.linear_int4_a8(
+                    x.reshape(15, 64), *f32_linear.pack_int4_a8(codes, sz),
+                    f32_linear.pack_bias(lin.bias, packed.weight), 40,
+                )  # fmt: skip
+                assert torch.equal(y.reshape(15, 40), want)
+            assert torch.equal(packed(x[2:3, 4:5]), y[2:3, 4:5])
+        monkeypatch.setenv(f32_linear.ACT_ENV, "int2")
+        f32_linear._reset()
+        with pytest.raises(MissingDependencyError, match="EDGEBUILD_INT4_ACTIVATIONS='int2'"):
+            PackedLinear([lin], quant="int4")
+    finally:
+        monkeypatch.delenv(f32_linear.ACT_ENV)
+        f32_linear._reset()
+    assert f32_linear.int4_activations() == f32_linear.DEFAULT_INT4_ACTIVATIONS

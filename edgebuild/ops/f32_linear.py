@@ -36,6 +36,8 @@ log = logging.getLogger("edgebuild.runtime")
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "f32_linear.cpp"
 ENV = "EDGEBUILD_FP32_KERNEL"
+ACT_ENV = "EDGEBUILD_INT4_ACTIVATIONS"  # int8 | fp32: int4 linears' inputs (int4_activations)
+DEFAULT_INT4_ACTIVATIONS = "int8"
 BLOCK = 16  # output features per packed block
 ISA_FLAGS = ["-mavx2", "-mfma"]  # every x86-64 CPU that has AVX-512 has these too
 NEEDS = {"avx2", "fma"}  # in /proc/cpuinfo
@@ -87,9 +89,27 @@ def available() -> bool:
     return _load()
 
 
+@functools.cache
+def int4_activations() -> str:
+    """``"int8"`` or ``"fp32"``: how an int4 linear on an fp32 runtime treats its inputs, as
+    ``EDGEBUILD_INT4_ACTIVATIONS`` says (read once). ``int8`` (the default): quantized per row
+    and group of 32 to int8 in the kernel (:func:`linear_int4_a8`, integer dot products);
+    ``fp32``: used as they are (:func:`linear_int4`, the codes widened to fp32).
+
+    Raises:
+        MissingDependencyError: the switch is not int8 or fp32.
+    """
+    mode = os.environ.get(ACT_ENV, DEFAULT_INT4_ACTIVATIONS).strip().lower()
+    mode = mode or DEFAULT_INT4_ACTIVATIONS
+    if mode not in ("int8", "fp32"):
+        raise MissingDependencyError(f"{ACT_ENV}={mode!r}: use int8 or fp32")
+    return mode
+
+
 def _reset() -> None:
-    """Forget what was decided (tests that change the switch)."""
+    """Forget what was decided (tests that change the switches)."""
     _load.cache_clear()
+    int4_activations.cache_clear()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -216,3 +236,82 @@ def linear_int4(
     return torch.ops.edgebuild_f32.int4_f32_linear(
         x, codes, sl, bias, out_features, norm_weight, eps, swiglu, residual
     )
+
+
+def pack_int4_a8(
+    codes: torch.Tensor, scale_and_zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8-activation int4 kernel's layout (:func:`linear_int4_a8`) of
+    :func:`~edgebuild.ops.linear.quantize_int4`'s output.
+
+    Args:
+        codes: int [out, in] values 0..15 (``in`` a multiple of 32).
+        scale_and_zero: fp32 [in / 32, out, 2] (scale, zero) per group and output feature.
+
+    Returns:
+        (codes uint8 [ceil(out / 16), 2, in / 32, 128]: per block b of 16 outputs, half h
+        and group g of 32 inputs, byte ``32 s + 4 j + i`` holds ``code[16 b + 8 h + j, 32 g +
+        8 s + i]`` in its low nibble and ``code[16 b + 8 h + j, 32 g + 8 s + 4 + i]`` in its high one
+        (h 0..1, s 0..3, j 0..7, i 0..3: one 32-byte load is 8 outputs x 8 inputs, each 32-bit
+        lane one output's 4 consecutive inputs per nibble); sl fp32 [ceil(out / 16), in / 32,
+        2, 16]: :func:`pack_int4`'s scales and ``lo = zero - 8 * scale``). Outputs past ``out``
+        have zero codes, scales and lo.
+
+    Raises:
+        ValueError: ``in`` is not a multiple of 32, or the scales do not match the codes.
+    """
+    n, k = codes.shape
+    _, sl = pack_int4(codes, scale_and_zero)  # checks the shapes; the same scales and lo
+    # [block, g, scale / lo, h, j] -> [block, h, g, scale / lo, j]
+    sl = sl.reshape(sl.shape[0], k // 32, 2, 2, 8).permute(0, 3, 1, 2, 4)
+    sl = sl.reshape(sl.shape[0], 2, k // 32, 16).contiguous()
+    nb = sl.shape[0]
+    c = codes.to(torch.uint8)
+    if nb * BLOCK != n:
+        c = torch.cat([c, c.new_zeros(nb * BLOCK - n, k)])
+    # [block, h, j, g, s, nibble, i] -> [block, h, g, s, j, i, nibble]
+    c = c.reshape(nb, 2, 8, k // 32, 4, 2, 4).permute(0, 1, 3, 4, 2, 6, 5)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(nb, 2, k // 32, 128).contiguous()
+    return packed, sl
+
+
+def linear_int4_a8(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    sl: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    swiglu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a :func:`pack_int4_a8`-ed int4 W, with each row of ``x``
+    quantized to int8 per group of 32 inputs in the kernel (``sx = max|x| / 127``,
+    ``xq = round(x / sx)``; integer dot products, as llama.cpp's Q4_1 x Q8_1 and onnxruntime's
+    MatMulNBits at accuracy_level 4): fp32 ``[rows, out_features]``, equal within fp32 rounding
+    to ``sum_g sx_g * sum_k (code * scale + lo) * xq`` (+ bias). Row-invariant, and with the
+    same optional ``norm_weight`` / ``eps``, ``swiglu`` and ``residual`` steps as
+    :func:`linear` (the norm / SwiGLU in fp32 before the quantization). Call only when
+    :func:`available` is True.
+
+    Raises:
+        RuntimeError: x is not fp32 [rows, in] (``2 * in`` with swiglu) with ``in`` a positive
+            multiple of 32, or the codes / scales / bias / norm_weight / residual do not have
+            :func:`pack_int4_a8`'s shapes for it (the kernel's checks name the argument).
+    """
+    return torch.ops.edgebuild_f32.int4_a8_linear(
+        x, codes, sl, bias, out_features, norm_weight, eps, swiglu, residual
+    )
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's own int8 quantization of ``x`` fp32 [rows, in] (``in`` a multiple of 32),
+    as :func:`linear_int4_a8` does it: (xq int8 [rows, in], sx fp32 [rows, in / 32], ms fp32
+    [rows, in / 32] = ``sx * sum(xq)`` per group). For tests and tools.
+
+    Raises:
+        RuntimeError: x is not fp32 [rows, in] with ``in`` a multiple of 32.
+    """
+    return torch.ops.edgebuild_f32.int8_rows(x)

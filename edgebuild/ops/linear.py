@@ -71,8 +71,11 @@ class PackedLinear:
             differ from the unquantized model's, so it is opt-in); or ``"int4"``: weight-only
             asymmetric 4-bit, one scale and zero per ``INT4_GROUP_SIZE`` input features of each
             output feature (:func:`quantize_int4`), run for fp32 inputs on CPUs with AVX2 +
-            FMA by edgebuild's kernel (:func:`edgebuild.ops.f32_linear.linear_int4`: on an
-            AVX2 host torch's int4 kernel took 97 ms for SmolLM2's lm_head row, this one 2.9),
+            FMA by edgebuild's kernels (:func:`edgebuild.ops.f32_linear.linear_int4_a8`, the
+            default: each input row quantized to int8 per group of 32 in the kernel, integer
+            dot products; or, with ``EDGEBUILD_INT4_ACTIVATIONS=fp32``, :func:`~edgebuild.ops.
+            f32_linear.linear_int4`, fp32 inputs: on an AVX2 host torch's int4 kernel took
+            97 ms for SmolLM2's lm_head row, this one 2.9),
             for bf16 inputs on CPUs with AMX by edgebuild's own kernel
             (:mod:`edgebuild.ops.amx_linear`: an 8-row verify costs about what one row does),
             else by ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a quarter of bf16's
@@ -86,6 +89,8 @@ class PackedLinear:
     Raises:
         ValueError: modules whose input width or dtype differ, an unknown ``quant``, or
             ``"int4"`` with an input width that is not a multiple of ``INT4_GROUP_SIZE``.
+        MissingDependencyError: ``"int4"`` on an fp32 runtime with a bad
+            ``EDGEBUILD_INT4_ACTIVATIONS`` (not int8 or fp32).
     """
 
     def __init__(self, linears: list[nn.Linear], quant: str | None = None):
@@ -117,6 +122,7 @@ class PackedLinear:
         self._scales_as: dict[torch.dtype, torch.Tensor] = {}  # the scales in each input dtype
         self.int4_amx = self.bf16_amx = False  # edgebuild's AMX kernels (ops/amx_linear.py)
         self.f32_kernel = self.int4_f32 = False  # edgebuild's AVX2 kernels (ops/f32_linear.py)
+        self.int4_a8 = False  # the AVX2 int4 kernel with int8-quantized inputs
         if quant == "int8":
             scale = fused.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
             q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
@@ -154,13 +160,21 @@ class PackedLinear:
 
     def _init_int4(self, fused: torch.Tensor) -> None:
         """Quantize ``fused`` to int4 and pack it for the kernel that will run it: edgebuild's
-        AVX2 kernel for fp32 inputs, its AMX kernel for bf16 inputs, else torch's."""
+        AVX2 kernel for fp32 inputs (with the inputs quantized to int8 in the kernel, or as
+        they are: ``EDGEBUILD_INT4_ACTIVATIONS``), its AMX kernel for bf16 inputs, else
+        torch's.
+
+        Raises:
+            MissingDependencyError: ``EDGEBUILD_INT4_ACTIVATIONS`` is not int8 or fp32.
+        """
         codes, self.scales = quantize_int4(fused)
         self.packed = True
         if fused.dtype == torch.float32 and f32_linear.available():
-            self.weight, self._int4_sl = f32_linear.pack_int4(codes, self.scales)
+            self.int4_a8 = f32_linear.int4_activations() == "int8"
+            pack = f32_linear.pack_int4_a8 if self.int4_a8 else f32_linear.pack_int4
+            self.weight, self._int4_sl = pack(codes, self.scales)
             self._f32_bias = f32_linear.pack_bias(self.bias, self.weight)
-            self.int4_f32 = True  # edgebuild's AVX2 int4 kernel, fp32 inputs
+            self.int4_f32 = True  # edgebuild's AVX2 int4 kernel, fp32 runtime
             return
         if fused.dtype == torch.bfloat16 and amx_linear.available():
             self.weight, self._amx_scales = amx_linear.pack(codes, self.scales)
@@ -214,18 +228,16 @@ class PackedLinear:
         """The fp32 / int4 kernels' call with the norm / swiglu / residual steps inside."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        extra = {
-            "norm_weight": None if norm is None else norm.weight,
-            "eps": 0.0 if norm is None else norm.eps,
-            "swiglu": swiglu,
-            "residual": None if residual is None else residual.reshape(-1, self.out_features),
-        }
+        nw, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        r = None if residual is None else residual.reshape(-1, self.out_features)
+        ops = torch.ops.edgebuild_f32  # f32_linear.linear / linear_int4(_a8), called directly
         if self.f32_kernel:
-            y = f32_linear.linear(x2, self.weight, self._f32_bias, self.out_features, **extra)
+            y = ops.f32_linear(x2, self.weight, self._f32_bias, self.out_features, nw, eps,
+                               swiglu, r)  # fmt: skip
         else:
-            y = f32_linear.linear_int4(
-                x2, self.weight, self._int4_sl, self._f32_bias, self.out_features, **extra
-            )
+            op = ops.int4_a8_linear if self.int4_a8 else ops.int4_f32_linear
+            y = op(x2, self.weight, self._int4_sl, self._f32_bias, self.out_features, nw, eps,
+                   swiglu, r)  # fmt: skip
         return y.reshape(*lead, self.out_features)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -239,9 +251,8 @@ class PackedLinear:
         if self.f32_kernel:
             y = f32_linear.linear(x2, self.weight, self._f32_bias, self.out_features)
         elif self.int4_f32:
-            y = f32_linear.linear_int4(
-                x2, self.weight, self._int4_sl, self._f32_bias, self.out_features
-            )
+            run = f32_linear.linear_int4_a8 if self.int4_a8 else f32_linear.linear_int4
+            y = run(x2, self.weight, self._int4_sl, self._f32_bias, self.out_features)
         elif self.bf16_amx:
             y = amx_linear.linear_bf16(x2, self.weight, self._amx_bias)
             if y.shape[1] != self.out_features:  # padded to a whole block of 16

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 
 #include "pool.h"
 
@@ -339,6 +340,250 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
   return y;
 }
 
+// ------------------------------------------------- int4 weights, int8 inputs (W4A8, AVX2)
+// `--quant int4` on an fp32 runtime with the activations quantized to int8 in the op
+// (edgebuild.ops.f32_linear.pack_int4_a8 / linear_int4_a8), as llama.cpp's Q4_1 x Q8_1 dot
+// product and onnxruntime's MatMulNBits at accuracy_level 4 do. Why: the fp32-input kernel
+// above widens every code to fp32 and spends ~9 vector uops per 16 products at one row
+// (compute-bound, ~13 ms for SmolLM2-135M's int4 linears per token); here 64 products cost
+// ~3 shared unpack uops + 2 vpmaddubsw + 2 vpaddw per row.
+//
+// Activations (a8_quantize_rows, one call per op, before the threads start): per row and group
+// of 32 inputs, sx = max|x| / 127 (fp32), xq = round-half-even(x / sx) (int8, |xq| <= 127),
+// and ms = sx * sum(xq) (fp32, the sum exact in int). A group of zeros has sx = xq = ms = 0; a
+// group with a NaN or an inf has sx = ms = NaN (its outputs become NaN, as in fp32).
+//
+// Weights (pack_int4_a8): codes [blocks, 2, K / 32, 128]: per block of 16 outputs, half h
+// (outputs 8 h .. 8 h + 7) and group g of 32 k, 4 steps s (k = 32 g + 8 s .. + 7) of 32
+// bytes, whose byte 4 j + i holds output j's code for k = 32 g + 8 s + i in its low nibble and
+// for k + 4 in its high one. So one 32-byte load is 8 outputs x 8 k: `and 0x0F` and
+// `srli 4; and 0x0F` make u8 codes whose 32-bit lanes are one output's 4 consecutive k;
+// vpmaddubsw with those 4 xq broadcast gives int16 pair sums, and the 8 of a group add up in
+// int16 without overflow (16 products of at most 15 * 127: 30480 < 32767); one vpmaddwd with
+// ones gives the 8 outputs' int32 group sums in one vector, no horizontal sums. Scales and lo
+// [blocks, 2, K / 32, 16]: per half and group its 8 scales, then its 8 lo (= zero - 8 scale,
+// as pack_int4's). Both streams are read in order, each half of a block from start to end.
+//
+// Per output and group (w = code * scale + lo):
+//   c_g = fma(float(sum_k code_k xq_k), scale * sx, lo * ms);  total += c_g  (g increasing)
+// then y = total + bias. The lo term uses the quantized sum ms = sx * sum(xq) (llama.cpp's
+// choice), not the exact fp32 sum of x: then the result is exactly the dequantized weight times
+// the quantized activations, whose error is sum_k w_k (x_k - sx xq_k); with the exact sum it
+// would be sum_k (w_k - lo) (x_k - sx xq_k), and |w - lo| reaches the group's whole range
+// (for weights spread evenly over [-a, a], 4x the error variance).
+//
+// Every row runs the same operations whatever the rows beside it (integer sums are exact; the
+// fp32 steps above are per row, in a fixed order), and threads split the output blocks: a
+// row's bits depend neither on the other rows of the call nor on the thread count.
+
+// Software prefetch distance in code bytes (8 groups; the scales at half of it). SmolLM2's
+// ~100 MB of int4 weights per token stream from DRAM; one interleaved run on the busy 2-core
+// host (medians of 15 tokens): 1 row 15.7 ms without, 14.9 / 14.4 / 14.0 ms at 512 / 1024 /
+// 2048; 8 rows 40.0 without, 41.5 at 1024 (compute-bound there).
+constexpr int kA8Prefetch = 1024;
+constexpr int64_t kA8BlockBytes = kBlock * kGroup / 2;  // code bytes per block and group: 256
+
+// x fp32 [rows, K] (K a multiple of 32) -> xq int8 [K / 32, rows, 32], sx and ms fp32
+// [K / 32, rows] (group-major: the kernel reads a group of every row from one pointer).
+__attribute__((target("avx2,fma"))) void a8_quantize_rows(const float* x, int64_t rows,
+                                                          int64_t K, int8_t* xq, float* sx,
+                                                          float* ms) {
+  const int64_t G = K / kGroup;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < rows * G; ++i) {  // group g of row m
+    const int64_t m = i / G, g = i % G, r = g * rows + m;
+    const float* xg = x + i * kGroup;  // rows are contiguous: group i of the flat array
+    int8_t* qg = xq + r * kGroup;
+    __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xg + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float a = _mm_cvtss_f32(m4);
+    if (_mm256_movemask_ps(nan) || a > 3.4028234663852886e38f) {  // NaN or inf: NaN out
+      std::fill(qg, qg + kGroup, int8_t{0});
+      sx[r] = ms[r] = __builtin_nanf("");
+      continue;
+    }
+    if (a == 0.0f) {
+      std::fill(qg, qg + kGroup, int8_t{0});
+      sx[r] = ms[r] = 0.0f;
+      continue;
+    }
+    const float s = a / 127.0f;
+    const __m256 sv = _mm256_set1_ps(s);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)  // round half to even (the default MXCSR mode), |q| <= 127
+      q[i] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum4 =
+        _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    // pack: 32-bit lanes -> 16 -> 8, then undo the packs' per-128-bit-lane interleave
+    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg), p8);
+    sx[r] = s;
+    ms[r] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+// The int8 activations of all rows (a8_quantize_rows' output).
+struct A8Rows {
+  const int8_t* xq;  // [G, rows, 32]
+  const float* sx;   // [G, rows]
+  const float* ms;   // [G, rows]
+  int64_t rows, G;
+};
+
+// 4 int8 at p in every 32-bit lane (vbroadcastss: a load-port broadcast, no shuffle uop)
+__attribute__((target("avx2,fma"))) inline __m256i bcast4(const int8_t* p) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
+
+// MR rows (1..8) x one half block (8 outputs) over all groups. Per group and step, one 32-byte
+// load is unpacked (2 registers) and used by every row; each row sums its 8 vpmaddubsw results
+// of the group in one int16 register (MR registers), then adds the group's fp32 term to its
+// total. xq is group-major ([G, rows, 32]: one pointer serves every row of the chunk).
+template <int MR>
+__attribute__((target("avx2,fma"))) inline void a8_half_rows(const A8Rows& a, int64_t m0,
+                                                             const uint8_t* ch, const float* sh,
+                                                             const float* bias, float* y,
+                                                             int64_t ldy, int64_t n_out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 tot[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) tot[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* cg = ch + g * (kA8BlockBytes / 2);
+    _mm_prefetch(reinterpret_cast<const char*>(cg) + kA8Prefetch, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cg) + kA8Prefetch + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sh + g * 16) + kA8Prefetch / 2, _MM_HINT_T0);
+    const int8_t* xg = a.xq + (g * a.rows + m0) * kGroup;  // row m: xg + 32 m
+    __m256i acc[MR];
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + s * 32));
+      const __m256i c0 = _mm256_and_si256(v, low);                         // k = 8 s + 0..3
+      const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);  // k = 8 s + 4..7
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xs = xg + m * kGroup + 8 * s;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(xs)),
+                                           _mm256_maddubs_epi16(c1, bcast4(xs + 4)));
+        acc[m] = s == 0 ? p : _mm256_add_epi16(acc[m], p);  // int16: <= 16 * 15 * 127
+      }
+    }
+    const float* sg = sh + g * 16;  // this half's 8 scales, then its 8 lo
+    const __m256 scale = _mm256_loadu_ps(sg), lo = _mm256_loadu_ps(sg + 8);
+    const float* sx = a.sx + g * a.rows + m0;
+    const float* ms = a.ms + g * a.rows + m0;
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m], ones));
+      const __m256 c = _mm256_fmadd_ps(isum, _mm256_mul_ps(scale, _mm256_broadcast_ss(sx + m)),
+                                       _mm256_mul_ps(lo, _mm256_broadcast_ss(ms + m)));
+      tot[m] = _mm256_add_ps(tot[m], c);
+    }
+  }
+  const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, _mm256_add_ps(tot[m], b));
+    std::copy(out, out + n_out, y + (m0 + m) * ldy);
+  }
+}
+
+// rows x one block of 16 outputs: each half (8 outputs) for chunks of up to kA8MaxRows rows
+// (each row's sequence is the same in any chunk).
+constexpr int kA8MaxRows = 8;
+inline void a8_all_rows(const A8Rows& a, const uint8_t* cb, const float* sb, const float* bias,
+                        float* y, int64_t ldy, int64_t n_out) {
+  for (int h = 0; h < 2 && 8 * h < n_out; ++h) {
+    const uint8_t* ch = cb + h * a.G * (kA8BlockBytes / 2);
+    const float* sh = sb + h * a.G * 16;
+    const float* bh = bias ? bias + 8 * h : nullptr;
+    float* yh = y + 8 * h;
+    const int64_t nh = std::min<int64_t>(8, n_out - 8 * h);
+    for (int64_t m = 0; m < a.rows; m += kA8MaxRows) {
+      switch (std::min<int64_t>(kA8MaxRows, a.rows - m)) {
+        case 1: a8_half_rows<1>(a, m, ch, sh, bh, yh, ldy, nh); break;
+        case 2: a8_half_rows<2>(a, m, ch, sh, bh, yh, ldy, nh); break;
+        case 3: a8_half_rows<3>(a, m, ch, sh, bh, yh, ldy, nh); break;
+        case 4: a8_half_rows<4>(a, m, ch, sh, bh, yh, ldy, nh); break;
+        case 5: a8_half_rows<5>(a, m, ch, sh, bh, yh, ldy, nh); break;
+        case 6: a8_half_rows<6>(a, m, ch, sh, bh, yh, ldy, nh); break;
+        case 7: a8_half_rows<7>(a, m, ch, sh, bh, yh, ldy, nh); break;
+        default: a8_half_rows<8>(a, m, ch, sh, bh, yh, ldy, nh); break;
+      }
+    }
+  }
+}
+
+at::Tensor int4_a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sl,
+                          const c10::optional<at::Tensor>& bias, int64_t n,
+                          const c10::optional<at::Tensor>& norm_w, double eps, bool swiglu,
+                          const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(1) == 2 &&
+                  codes.size(3) == kA8BlockBytes / 2 && codes.is_contiguous(),
+              "int4_a8_linear: codes must be uint8 [ceil(out / 16), 2, in / 32, 128] "
+              "(pack_int4_a8)");
+  const int64_t G = codes.size(2), K = G * kGroup, NB = codes.size(0);
+  TORCH_CHECK(K > 0, "int4_a8_linear: in must be a positive multiple of 32");
+  const at::Tensor x = kernel_input("int4_a8_linear", x_in, K, norm_w, eps, swiglu);
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(sl.dim() == 4 && sl.scalar_type() == at::kFloat && sl.size(0) == NB &&
+                  sl.size(1) == 2 && sl.size(2) == G && sl.size(3) == 16 && sl.is_contiguous(),
+              "int4_a8_linear: scales must be fp32 [blocks, 2, in / 32, 16] (pack_int4_a8)");
+  at::Tensor b;
+  const float* bp = checked_bias("int4_a8_linear", bias, n, NB, b);
+  auto y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  auto xq = at::empty({G, rows, kGroup}, x.options().dtype(at::kChar));
+  auto sxms = at::empty({2, G, rows}, x.options());
+  float* sxp = sxms.data_ptr<float>();
+  a8_quantize_rows(x.data_ptr<float>(), rows, K, xq.data_ptr<int8_t>(), sxp, sxp + rows * G);
+  const A8Rows a{xq.data_ptr<int8_t>(), sxp, sxp + rows * G, rows, G};
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = sl.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto work = [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const float* bb = bp ? bp + blk * kBlock : nullptr;
+      const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
+      a8_all_rows(a, cp + blk * G * kA8BlockBytes, sp + blk * G * 2 * kBlock, bb,
+                  yp + blk * kBlock, n, n_out);
+    }
+  };
+  eb_pool::parallel_for(NB, 4, work);
+  add_residual("int4_a8_linear", y, residual);
+  return y;
+}
+
+// The activation quantization alone (tests compare it with torch's round(x / (max|x| / 127))):
+// (xq int8 [rows, in], sx fp32 [rows, in / 32], ms fp32 [rows, in / 32]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_rows(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) % kGroup == 0,
+              "int8_rows: x must be fp32 [rows, in] with in a multiple of 32");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), K = x.size(1), G = K / kGroup;
+  auto xq = at::empty({G, rows, kGroup}, x.options().dtype(at::kChar));
+  auto sx = at::empty({G, rows}, x.options()), ms = at::empty({G, rows}, x.options());
+  if (rows * G > 0)
+    a8_quantize_rows(x.data_ptr<float>(), rows, K, xq.data_ptr<int8_t>(), sx.data_ptr<float>(),
+                     ms.data_ptr<float>());
+  return {xq.permute({1, 0, 2}).reshape({rows, K}), sx.t().contiguous(), ms.t().contiguous()};
+}
+
 bool available() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 }  // namespace
@@ -353,9 +598,16 @@ TORCH_LIBRARY(edgebuild_f32, m) {
       "int4_f32_linear(Tensor x, Tensor codes, Tensor sl, Tensor? bias, int n, "
       "Tensor? norm_weight=None, float eps=0.0, bool swiglu=False, Tensor? residual=None) -> "
       "Tensor");
+  m.def(
+      "int4_a8_linear(Tensor x, Tensor codes, Tensor sl, Tensor? bias, int n, "
+      "Tensor? norm_weight=None, float eps=0.0, bool swiglu=False, Tensor? residual=None) -> "
+      "Tensor");
+  m.def("int8_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("f32_available() -> bool", &available);
 }
 TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
   m.impl("f32_linear", &f32_linear);
   m.impl("int4_f32_linear", &int4_f32_linear);
+  m.impl("int4_a8_linear", &int4_a8_linear);
+  m.impl("int8_rows", &int8_rows);
 }
