@@ -147,7 +147,8 @@ def linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x fp32 [rows, in] @ W.T (+ bias)`` for a :func:`pack`-ed W (bias from
-    :func:`pack_bias`): fp32 ``[rows, out_features]``.
+    :func:`pack_bias`): fp32 ``[rows, out_features]`` (any leading dims: ``x [..., in]`` gives
+    ``[..., out_features]``; so for the other ops of this module).
 
     Optional steps run in the same call (a decoder layer's small ops, each row on its own):
 
@@ -156,7 +157,7 @@ def linear(
       squares summed in fp64, so it may differ from torch's fp32 sum in the last bit);
     * ``swiglu``: ``x`` is ``[rows, 2 * in]`` = gate | up and ``silu(gate) * up`` is multiplied
       (``silu(g) = g / (1 + exp(-g))``, exp by a Cephes polynomial, relative error < 2e-7);
-    * ``residual`` fp32 ``[rows, out_features]``: returns ``residual + x @ W.T (+ bias)``.
+    * ``residual`` fp32 of the result's shape: returns ``residual + x @ W.T (+ bias)``.
 
     Row-invariant: row i of the result does not depend on the other rows of ``x`` nor on the
     thread count. Call only when :func:`available` is True.

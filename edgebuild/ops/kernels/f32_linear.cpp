@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 #include <tuple>
 
 #include "pool.h"
@@ -204,18 +205,19 @@ __attribute__((target("avx2,fma"))) void swiglu_row(const float* x, int64_t K, f
   for (; k < K; ++k) h[k] = x[k] / (1.0f + std::exp(-x[k])) * x[K + k];
 }
 
-// The rows the kernel multiplies: x itself ([rows, K]), its RMSNorm with `norm_w` ([K]), or
-// its SwiGLU (x [rows, 2K] = gate | up). Checks name the op and the argument.
+// The rows the kernel multiplies, as [rows, K]: x itself (x [..., K], leading dims flattened),
+// its RMSNorm with `norm_w` ([K]), or its SwiGLU (x [..., 2K] = gate | up). Checks name the op
+// and the argument.
 at::Tensor kernel_input(const char* op, const at::Tensor& x_in, int64_t K,
                         const c10::optional<at::Tensor>& norm_w, double eps, bool swiglu) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, op,
-              ": x must be fp32 [rows, in]");
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat, op,
+              ": x must be fp32 [..., in]");
   const bool norm = norm_w.has_value() && norm_w->defined();
   TORCH_CHECK(!(norm && swiglu), op, ": norm_weight and swiglu cannot both be given");
   const int64_t width = swiglu ? 2 * K : K;
-  TORCH_CHECK(x_in.size(1) == width, op, ": x has ", x_in.size(1), " inputs, the weight ", K,
+  TORCH_CHECK(x_in.size(-1) == width, op, ": x has ", x_in.size(-1), " inputs, the weight ", K,
               swiglu ? " (swiglu: x must be gate | up, 2 * in wide)" : "");
-  at::Tensor x = x_in.contiguous();
+  at::Tensor x = x_in.reshape({-1, width}).contiguous();
   if (!norm && !swiglu) return x;
   const int64_t rows = x.size(0);
   auto h = at::empty({rows, K}, x.options());
@@ -234,7 +236,14 @@ at::Tensor kernel_input(const char* op, const at::Tensor& x_in, int64_t K,
   return h;
 }
 
-// y = residual + y (row-wise, as torch's `residual + linear(x)`).
+// y [rows, n] as the op returns it: x's leading dims, then n.
+at::Tensor out_shaped(const at::Tensor& y, const at::Tensor& x_in, int64_t n) {
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = n;
+  return y.view(shape);
+}
+
+// y = residual + y (elementwise, as torch's `residual + linear(x)`; the same shape as y).
 void add_residual(const char* op, at::Tensor& y, const c10::optional<at::Tensor>& residual) {
   if (!residual.has_value() || !residual->defined()) return;
   const at::Tensor r = residual->contiguous();
@@ -257,7 +266,7 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
   at::Tensor b;
   const float* bp = checked_bias("f32_linear", bias, n, NB, b);
   auto y = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return y;
+  if (rows == 0 || n == 0) return out_shaped(y, x_in, n);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -270,6 +279,7 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
     }
   };
   eb_pool::parallel_for(NB, 4, work);  // each output is computed by one thread: same bits
+  y = out_shaped(y, x_in, n);
   add_residual("f32_linear", y, residual);
   return y;
 }
@@ -321,7 +331,7 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
   at::Tensor b;
   const float* bp = checked_bias("int4_f32_linear", bias, n, NB, b);
   auto y = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return y;
+  if (rows == 0 || n == 0) return out_shaped(y, x_in, n);
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = sl.data_ptr<float>();
@@ -336,6 +346,7 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
     }
   };
   eb_pool::parallel_for(NB, 4, work);
+  y = out_shaped(y, x_in, n);
   add_residual("int4_f32_linear", y, residual);
   return y;
 }
@@ -547,7 +558,7 @@ at::Tensor int4_a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const
   at::Tensor b;
   const float* bp = checked_bias("int4_a8_linear", bias, n, NB, b);
   auto y = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return y;
+  if (rows == 0 || n == 0) return out_shaped(y, x_in, n);
   auto xq = at::empty({G, rows, kGroup}, x.options().dtype(at::kChar));
   auto sxms = at::empty({2, G, rows}, x.options());
   float* sxp = sxms.data_ptr<float>();
@@ -565,6 +576,7 @@ at::Tensor int4_a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const
     }
   };
   eb_pool::parallel_for(NB, 4, work);
+  y = out_shaped(y, x_in, n);
   add_residual("int4_a8_linear", y, residual);
   return y;
 }
