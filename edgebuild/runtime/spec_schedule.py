@@ -155,13 +155,26 @@ class StepCosts:
         return (self.draft_s(len(rows), drafted) + self.verify_s(rows)) * self.spec_scale
 
     def observe(self, rows: Sequence[int], drafted: int, measured: float) -> None:
-        """Fold one measured step (as in :meth:`step_s`) into its online correction."""
+        """Fold one measured step (as in :meth:`step_s`) into its online correction.
+
+        A draft-less step's change of ``decode_scale`` also scales ``spec_scale``: the
+        machine's load moves both kinds of step alike, and the kind the scheduler rarely
+        takes must not be judged on the costs of another load. Without this, draft-less steps
+        on a busy host measured 1.5x their profile while the rare drafting steps' correction
+        stayed at 1.0, so drafting looked 1.5x cheaper than it was, and scheduled int4 DSpark
+        ran at x0.95 of target-only (bench/README.md). Only drafting steps change the ratio
+        of the two (their own extra work).
+        """
         attr = "decode_scale" if drafted <= 0 else "spec_scale"
-        profiled = self.step_s(rows, drafted) / getattr(self, attr)
+        old = getattr(self, attr)
+        profiled = self.step_s(rows, drafted) / old
         if profiled <= 0 or measured <= 0:
             return
         ratio = measured / profiled
-        setattr(self, attr, (1 - COST_EMA) * getattr(self, attr) + COST_EMA * ratio)
+        new = (1 - COST_EMA) * old + COST_EMA * ratio
+        setattr(self, attr, new)
+        if attr == "decode_scale":
+            self.spec_scale *= new / old
 
 
 REFERENCE_COSTS_FILE = Path(__file__).resolve().parent.parent / "data" / "step_costs.json"
