@@ -378,6 +378,42 @@ def _a8_oracle(x, codes, sz, bias):
     return ref, bound
 
 
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fma(a, b, c), one rounding: a * b is exact in fp64 (24 + 24 bits), the sum's fp64
+    rounding error comes from TwoSum, and an fp64 sum exactly halfway between two fp32 values
+    (where rounding it again could go the wrong way) goes the way of that error."""
+    p, cd = a.double() * b.double(), c.double()
+    s = p + cd
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)
+    f = s.float()
+    fd = f.double()
+    nb = torch.nextafter(f, torch.where(s > fd, torch.inf, -torch.inf).float()).double()
+    tie = (s != fd) & ((s - fd) * 2 == nb - fd)  # s halfway between f and its neighbour nb
+    return torch.where(tie & (err != 0) & ((err > 0) == (nb > fd)), nb.float(), f)
+
+
+def _a8_exact(x, codes, sz, bias):
+    """The int8-input kernel's result bit for bit, in torch (kernels/f32_linear.cpp): per row,
+    output and group, c_g = fma(float(isum), fl(scale sx), fl(lo ms)) with the exact integer
+    sum isum = sum_k code xq; total = fp32 sum of c_g in increasing g; then total + bias (+ 0
+    without one). xq, sx from torch's quantization (_int8_rows), ms = fl(sx sum xq)."""
+    xq, sx = _int8_rows(x)
+    rows, k = x.shape
+    n, g = codes.shape[0], k // 32
+    ms = sx * xq.reshape(rows, g, 32).sum(-1)  # sum(xq) is exact in fp32
+    isum = torch.einsum("rgk,ngk->rng", xq.double().reshape(rows, g, 32),
+                        codes.double().reshape(n, g, 32)).float()  # exact integers  # fmt: skip
+    _, sl = f32_linear.pack_int4_a8(codes, sz)  # [block, g, h, scale 0..7 | lo 0..7]
+    sl = sl.reshape(-1, g, 2, 2, 8).permute(0, 2, 4, 1, 3).reshape(-1, g, 2)[:n]  # [out, g, 2]
+    scale, lo = sl[..., 0], sl[..., 1]
+    c = _fma32(isum, scale[None] * sx[:, None], lo[None] * ms[:, None])  # [rows, out, g]
+    total = torch.zeros(rows, n)
+    for i in range(g):
+        total = total + c[..., i]
+    return total + (bias if bias is not None else torch.zeros(n))
+
+
 @needs_kernel
 def test_int8_rows_equal_torch_quantization_bit_for_bit():
     assert f32_linear.available()
@@ -405,17 +441,17 @@ def test_int4_a8_pack_layout_holds_every_code_scale_and_lo():
     n, k = 20, 64
     codes, sz = quantize_int4(torch.randn(n, k))
     pc, sl = f32_linear.pack_int4_a8(codes, sz)
-    assert pc.shape == (2, 2, k // 32, 128) and pc.dtype == torch.uint8
-    assert sl.shape == (2, 2, k // 32, 16) and sl.dtype == torch.float32
+    assert pc.shape == (2, k // 32, 2, 128) and pc.dtype == torch.uint8
+    assert sl.shape == (2, k // 32, 32) and sl.dtype == torch.float32
     for o in range(32):
         b, h, j = o // 16, (o // 8) % 2, o % 8
         for kk in range(k):
             g, s, hi, i = kk // 32, (kk % 32) // 8, (kk % 8) // 4, kk % 4
-            byte = int(pc[b, h, g, 32 * s + 4 * j + i])
+            byte = int(pc[b, g, h, 32 * s + 4 * j + i])
             got = byte >> 4 if hi else byte & 0xF
             assert got == (int(codes[o, kk]) if o < n else 0), (o, kk)
         for g in range(k // 32):
-            s, lo = float(sl[b, h, g, j]), float(sl[b, h, g, 8 + j])
+            s, lo = float(sl[b, g, 16 * h + j]), float(sl[b, g, 16 * h + 8 + j])
             if o < n:
                 want_s, z = float(sz[g, o, 0]), float(sz[g, o, 1])
                 assert s == want_s and lo == float(torch.tensor(z) - 8 * torch.tensor(want_s))
@@ -442,7 +478,8 @@ def test_int4_a8_kernel_equals_the_fp64_oracle_and_is_row_invariant(n, k, with_b
     assert full.shape == (40, n) and full.dtype == torch.float32
     ref, bound = _a8_oracle(x, codes, sz, bias)
     assert ((full.double() - ref).abs() <= bound).all()
-    for rows in range(1, 14):  # chunks of 8 rows and their remainders
+    assert torch.equal(full, _a8_exact(x, codes, sz, bias))  # the kernel's fp32 steps exactly
+    for rows in range(1, 18):  # chunks of 4 rows and their remainders
         part = f32_linear.linear_int4_a8(x[:rows].contiguous(), pc, sl, b, n)
         assert torch.equal(part, full[:rows]), rows
     one = torch.cat([f32_linear.linear_int4_a8(x[i : i + 1], pc, sl, b, n) for i in range(40)])
@@ -509,7 +546,7 @@ def test_int4_a8_bad_shapes_are_refused_with_what_was_wrong():
         ((x.double(), pc, sl, None, 20), "x must be fp32"),
         ((torch.randn(3, 64), pc, sl, None, 20), "x has 64 inputs, the weight 96"),
         ((x, old_c, sl, None, 20), "codes must be uint8"),
-        ((x, pc, old_sl, None, 20), r"scales must be fp32 \[blocks, 2, in / 32, 16\]"),
+        ((x, pc, old_sl, None, 20), r"scales must be fp32 \[blocks, in / 32, 32\]"),
         ((x, pc, sl, torch.randn(20), 20), "bias must be fp32"),
         ((x, pc, sl, None, 40), "out 40 does not match 2 blocks"),
     ]

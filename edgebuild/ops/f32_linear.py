@@ -250,29 +250,29 @@ def pack_int4_a8(
         scale_and_zero: fp32 [in / 32, out, 2] (scale, zero) per group and output feature.
 
     Returns:
-        (codes uint8 [ceil(out / 16), 2, in / 32, 128]: per block b of 16 outputs, half h
-        and group g of 32 inputs, byte ``32 s + 4 j + i`` holds ``code[16 b + 8 h + j, 32 g +
+        (codes uint8 [ceil(out / 16), in / 32, 2, 128]: per block b of 16 outputs, group g
+        of 32 inputs and half h, byte ``32 s + 4 j + i`` holds ``code[16 b + 8 h + j, 32 g +
         8 s + i]`` in its low nibble and ``code[16 b + 8 h + j, 32 g + 8 s + 4 + i]`` in its high one
         (h 0..1, s 0..3, j 0..7, i 0..3: one 32-byte load is 8 outputs x 8 inputs, each 32-bit
         lane one output's 4 consecutive inputs per nibble); sl fp32 [ceil(out / 16), in / 32,
-        2, 16]: :func:`pack_int4`'s scales and ``lo = zero - 8 * scale``). Outputs past ``out``
-        have zero codes, scales and lo.
+        32]: per block and group, for half 0 then half 1, :func:`pack_int4`'s 8 scales, then
+        the 8 ``lo = zero - 8 * scale``). Outputs past ``out`` have zero codes, scales and lo.
 
     Raises:
         ValueError: ``in`` is not a multiple of 32, or the scales do not match the codes.
     """
     n, k = codes.shape
     _, sl = pack_int4(codes, scale_and_zero)  # checks the shapes; the same scales and lo
-    # [block, g, scale / lo, h, j] -> [block, h, g, scale / lo, j]
-    sl = sl.reshape(sl.shape[0], k // 32, 2, 2, 8).permute(0, 3, 1, 2, 4)
-    sl = sl.reshape(sl.shape[0], 2, k // 32, 16).contiguous()
+    # [block, g, scale / lo, h, j] -> [block, g, h, scale / lo, j]
+    sl = sl.reshape(sl.shape[0], k // 32, 2, 2, 8).permute(0, 1, 3, 2, 4)
+    sl = sl.reshape(sl.shape[0], k // 32, 2 * BLOCK).contiguous()
     nb = sl.shape[0]
     c = codes.to(torch.uint8)
     if nb * BLOCK != n:
         c = torch.cat([c, c.new_zeros(nb * BLOCK - n, k)])
-    # [block, h, j, g, s, nibble, i] -> [block, h, g, s, j, i, nibble]
-    c = c.reshape(nb, 2, 8, k // 32, 4, 2, 4).permute(0, 1, 3, 4, 2, 6, 5)
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(nb, 2, k // 32, 128).contiguous()
+    # [block, h, j, g, s, nibble, i] -> [block, g, h, s, j, i, nibble]
+    c = c.reshape(nb, 2, 8, k // 32, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(nb, k // 32, 2, 128).contiguous()
     return packed, sl
 
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <vector>
 #include <tuple>
+#include <vector>
 
 #include "pool.h"
 
@@ -364,16 +365,17 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
 // and ms = sx * sum(xq) (fp32, the sum exact in int). A group of zeros has sx = xq = ms = 0; a
 // group with a NaN or an inf has sx = ms = NaN (its outputs become NaN, as in fp32).
 //
-// Weights (pack_int4_a8): codes [blocks, 2, K / 32, 128]: per block of 16 outputs, half h
-// (outputs 8 h .. 8 h + 7) and group g of 32 k, 4 steps s (k = 32 g + 8 s .. + 7) of 32
-// bytes, whose byte 4 j + i holds output j's code for k = 32 g + 8 s + i in its low nibble and
-// for k + 4 in its high one. So one 32-byte load is 8 outputs x 8 k: `and 0x0F` and
+// Weights (pack_int4_a8): codes [blocks, K / 32, 2, 128]: per block of 16 outputs, group g of
+// 32 k and half h (outputs 8 h .. 8 h + 7), 4 steps s (k = 32 g + 8 s .. + 7) of 32 bytes,
+// whose byte 4 j + i holds output j's code for k = 32 g + 8 s + i in its low nibble and for
+// k + 4 in its high one. So one 32-byte load is 8 outputs x 8 k: `and 0x0F` and
 // `srli 4; and 0x0F` make u8 codes whose 32-bit lanes are one output's 4 consecutive k;
 // vpmaddubsw with those 4 xq broadcast gives int16 pair sums, and the 8 of a group add up in
 // int16 without overflow (16 products of at most 15 * 127: 30480 < 32767); one vpmaddwd with
 // ones gives the 8 outputs' int32 group sums in one vector, no horizontal sums. Scales and lo
-// [blocks, 2, K / 32, 16]: per half and group its 8 scales, then its 8 lo (= zero - 8 scale,
-// as pack_int4's). Both streams are read in order, each half of a block from start to end.
+// [blocks, K / 32, 32]: per group, half 0's 8 scales, its 8 lo (= zero - 8 scale, as
+// pack_int4's), then half 1's. Both streams are read in order, a block from start to end (group-major,
+// so one pass over 16 outputs reads one contiguous stream).
 //
 // Per output and group (w = code * scale + lo):
 //   c_g = fma(float(sum_k code_k xq_k), scale * sx, lo * ms);  total += c_g  (g increasing)
@@ -387,10 +389,12 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
 // fp32 steps above are per row, in a fixed order), and threads split the output blocks: a
 // row's bits depend neither on the other rows of the call nor on the thread count.
 
-// Software prefetch distance in code bytes (8 groups; the scales at half of it). SmolLM2's
-// ~100 MB of int4 weights per token stream from DRAM; one interleaved run on the busy 2-core
-// host (medians of 15 tokens): 1 row 15.7 ms without, 14.9 / 14.4 / 14.0 ms at 512 / 1024 /
-// 2048; 8 rows 40.0 without, 41.5 at 1024 (compute-bound there).
+// Software prefetch distance in code bytes (4 groups of a block; the scales at half of it).
+// SmolLM2's ~100 MB of int4 weights per token stream from DRAM; one interleaved run on the
+// busy 2-core host (medians of 15 tokens, half-block passes over a half-major layout): 1 row
+// 15.7 ms without, 14.9 / 14.4 / 14.0 ms at 512 / 1024 / 2048; 8 rows 40.0 without, 41.5 at
+// 1024 (compute-bound there). With the group-major layout (medians of 9, 1 row): 1024 B on a
+// par with the old kernel, 2048 / 4096 B 5-10% slower.
 constexpr int kA8Prefetch = 1024;
 constexpr int64_t kA8BlockBytes = kBlock * kGroup / 2;  // code bytes per block and group: 256
 
@@ -459,84 +463,121 @@ __attribute__((target("avx2,fma"))) inline __m256i bcast4(const int8_t* p) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
 }
 
-// MR rows (1..8) x one half block (8 outputs) over all groups. Per group and step, one 32-byte
-// load is unpacked (2 registers) and used by every row; each row sums its 8 vpmaddubsw results
-// of the group in one int16 register (MR registers), then adds the group's fp32 term to its
-// total. xq is group-major ([G, rows, 32]: one pointer serves every row of the chunk).
+// MR rows (1..4) x one block of 16 outputs over groups g0..g1-1, adding to the rows' totals
+// tot [MR][16] (fp32). Layout per group: 256 code bytes (half 0's 4 steps of 32 bytes, then
+// half 1's), 16 scales + 16 lo (half 0's 8 scales, its 8 lo, then half 1's). Per step the two
+// halves' loads are unpacked (4 registers) and used by every row; each xq broadcast serves
+// both halves. A row sums a group in one int16 register per half (2 MR registers), then adds
+// the group's fp32 term to its totals. The asm barrier keeps each step's adds in order:
+// without it GCC reassociates a group's vpaddw into a tree, computes every vpmaddubsw first
+// and spills them (as it did with 8 rows of 8 outputs).
 template <int MR>
-__attribute__((target("avx2,fma"))) inline void a8_half_rows(const A8Rows& a, int64_t m0,
-                                                             const uint8_t* ch, const float* sh,
-                                                             const float* bias, float* y,
-                                                             int64_t ldy, int64_t n_out) {
+__attribute__((target("avx2,fma"))) inline void a8_block_groups(const A8Rows& a, int64_t m0,
+                                                                const uint8_t* cb,
+                                                                const float* sb, int64_t g0,
+                                                                int64_t g1, float* tot,
+                                                                bool prefetch) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 tot[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) tot[m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < a.G; ++g) {
-    const uint8_t* cg = ch + g * (kA8BlockBytes / 2);
-    _mm_prefetch(reinterpret_cast<const char*>(cg) + kA8Prefetch, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cg) + kA8Prefetch + 64, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(sh + g * 16) + kA8Prefetch / 2, _MM_HINT_T0);
-    const int8_t* xg = a.xq + (g * a.rows + m0) * kGroup;  // row m: xg + 32 m
-    __m256i acc[MR];
+  constexpr bool kRegs = MR <= 2;  // totals in registers (else in tot: 16 ymm are full)
+  __m256 tr[MR][2];
 #pragma GCC unroll 4
-    for (int s = 0; s < 4; ++s) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + s * 32));
-      const __m256i c0 = _mm256_and_si256(v, low);                         // k = 8 s + 0..3
-      const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);  // k = 8 s + 4..7
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const int8_t* xs = xg + m * kGroup + 8 * s;
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(xs)),
-                                           _mm256_maddubs_epi16(c1, bcast4(xs + 4)));
-        acc[m] = s == 0 ? p : _mm256_add_epi16(acc[m], p);  // int16: <= 16 * 15 * 127
-      }
-    }
-    const float* sg = sh + g * 16;  // this half's 8 scales, then its 8 lo
-    const __m256 scale = _mm256_loadu_ps(sg), lo = _mm256_loadu_ps(sg + 8);
-    const float* sx = a.sx + g * a.rows + m0;
-    const float* ms = a.ms + g * a.rows + m0;
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m], ones));
-      const __m256 c = _mm256_fmadd_ps(isum, _mm256_mul_ps(scale, _mm256_broadcast_ss(sx + m)),
-                                       _mm256_mul_ps(lo, _mm256_broadcast_ss(ms + m)));
-      tot[m] = _mm256_add_ps(tot[m], c);
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (kRegs) {
+      tr[m][0] = _mm256_load_ps(tot + m * kBlock);
+      tr[m][1] = _mm256_load_ps(tot + m * kBlock + 8);
     }
   }
-  const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-#pragma GCC unroll 8
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* cg = cb + g * kA8BlockBytes;
+    const float* sg = sb + g * 2 * kBlock;
+    if (prefetch) {
+      const char* pc = reinterpret_cast<const char*>(cg) + kA8Prefetch;
+      _mm_prefetch(pc, _MM_HINT_T0);
+      _mm_prefetch(pc + 64, _MM_HINT_T0);
+      _mm_prefetch(pc + 128, _MM_HINT_T0);
+      _mm_prefetch(pc + 192, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sg) + kA8Prefetch / 2, _MM_HINT_T0);
+    }
+    const int8_t* xg = a.xq + (g * a.rows + m0) * kGroup;  // row m: xg + 32 m
+    __m256i acc0[MR], acc1[MR];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) acc0[m] = acc1[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + s * 32));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 128 + s * 32));
+      const __m256i c00 = _mm256_and_si256(v0, low);  // half 0, k = 8 s + 0..3
+      const __m256i c01 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);  // k = 8 s + 4..7
+      const __m256i c10 = _mm256_and_si256(v1, low);
+      const __m256i c11 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xs = xg + m * kGroup + 8 * s;
+        const __m256i x0 = bcast4(xs), x1 = bcast4(xs + 4);
+        __m256i a0 = acc0[m], a1 = acc1[m];
+        a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(c00, x0));  // int16: <= 16 * 15 * 127
+        a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(c10, x0));
+        a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(c01, x1));
+        a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(c11, x1));
+        asm("" : "+x"(a0), "+x"(a1));
+        acc0[m] = a0, acc1[m] = a1;
+      }
+    }
+    const __m256 sc0 = _mm256_loadu_ps(sg), lo0 = _mm256_loadu_ps(sg + 8);
+    const __m256 sc1 = _mm256_loadu_ps(sg + 16), lo1 = _mm256_loadu_ps(sg + 24);
+    const float* sx = a.sx + g * a.rows + m0;
+    const float* ms = a.ms + g * a.rows + m0;
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m256 sxm = _mm256_broadcast_ss(sx + m), msm = _mm256_broadcast_ss(ms + m);
+      const __m256 i0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc0[m], ones));
+      const __m256 i1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc1[m], ones));
+      const __m256 t0 = _mm256_fmadd_ps(i0, _mm256_mul_ps(sc0, sxm), _mm256_mul_ps(lo0, msm));
+      const __m256 t1 = _mm256_fmadd_ps(i1, _mm256_mul_ps(sc1, sxm), _mm256_mul_ps(lo1, msm));
+      if constexpr (kRegs) {
+        tr[m][0] = _mm256_add_ps(tr[m][0], t0);
+        tr[m][1] = _mm256_add_ps(tr[m][1], t1);
+      } else {
+        float* tm = tot + m * kBlock;
+        _mm256_store_ps(tm, _mm256_add_ps(_mm256_load_ps(tm), t0));
+        _mm256_store_ps(tm + 8, _mm256_add_ps(_mm256_load_ps(tm + 8), t1));
+      }
+    }
+  }
+#pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) {
-    alignas(32) float out[8];
-    _mm256_store_ps(out, _mm256_add_ps(tot[m], b));
-    std::copy(out, out + n_out, y + (m0 + m) * ldy);
+    if constexpr (kRegs) {
+      _mm256_store_ps(tot + m * kBlock, tr[m][0]);
+      _mm256_store_ps(tot + m * kBlock + 8, tr[m][1]);
+    }
   }
 }
 
-// rows x one block of 16 outputs: each half (8 outputs) for chunks of up to kA8MaxRows rows
-// (each row's sequence is the same in any chunk).
-constexpr int kA8MaxRows = 8;
-inline void a8_all_rows(const A8Rows& a, const uint8_t* cb, const float* sb, const float* bias,
-                        float* y, int64_t ldy, int64_t n_out) {
-  for (int h = 0; h < 2 && 8 * h < n_out; ++h) {
-    const uint8_t* ch = cb + h * a.G * (kA8BlockBytes / 2);
-    const float* sh = sb + h * a.G * 16;
-    const float* bh = bias ? bias + 8 * h : nullptr;
-    float* yh = y + 8 * h;
-    const int64_t nh = std::min<int64_t>(8, n_out - 8 * h);
-    for (int64_t m = 0; m < a.rows; m += kA8MaxRows) {
-      switch (std::min<int64_t>(kA8MaxRows, a.rows - m)) {
-        case 1: a8_half_rows<1>(a, m, ch, sh, bh, yh, ldy, nh); break;
-        case 2: a8_half_rows<2>(a, m, ch, sh, bh, yh, ldy, nh); break;
-        case 3: a8_half_rows<3>(a, m, ch, sh, bh, yh, ldy, nh); break;
-        case 4: a8_half_rows<4>(a, m, ch, sh, bh, yh, ldy, nh); break;
-        case 5: a8_half_rows<5>(a, m, ch, sh, bh, yh, ldy, nh); break;
-        case 6: a8_half_rows<6>(a, m, ch, sh, bh, yh, ldy, nh); break;
-        case 7: a8_half_rows<7>(a, m, ch, sh, bh, yh, ldy, nh); break;
-        default: a8_half_rows<8>(a, m, ch, sh, bh, yh, ldy, nh); break;
-      }
-    }
+using A8Groups = void (*)(const A8Rows&, int64_t, const uint8_t*, const float*, int64_t, int64_t,
+                          float*, bool);
+constexpr A8Groups kA8Groups[4] = {a8_block_groups<1>, a8_block_groups<2>, a8_block_groups<3>,
+                                   a8_block_groups<4>};
+constexpr int kA8Rows = 4;  // rows per chunk
+
+// rows x one block of 16 outputs: chunks of up to 4 rows over all groups (each row's sequence
+// is the same in any chunk); later chunks read the block from cache (only the first
+// prefetches). tot: [rows, 16] fp32 scratch, 32-byte aligned.
+__attribute__((target("avx2,fma"))) inline void a8_block_all_rows(
+    const A8Rows& a, const uint8_t* cb, const float* sb, const float* bias, float* y,
+    int64_t ldy, int64_t n_out, float* tot) {
+  for (int64_t i = 0; i < a.rows * kBlock; i += 8) _mm256_store_ps(tot + i, _mm256_setzero_ps());
+  for (int64_t m = 0; m < a.rows; m += kA8Rows) {
+    const int64_t mr = std::min<int64_t>(kA8Rows, a.rows - m);
+    kA8Groups[mr - 1](a, m, cb, sb, 0, a.G, tot + m * kBlock, m == 0);
+  }
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  for (int64_t m = 0; m < a.rows; ++m) {
+    alignas(32) float out[kBlock];
+    _mm256_store_ps(out, _mm256_add_ps(_mm256_load_ps(tot + m * kBlock), b0));
+    _mm256_store_ps(out + 8, _mm256_add_ps(_mm256_load_ps(tot + m * kBlock + 8), b1));
+    std::copy(out, out + n_out, y + m * ldy);
   }
 }
 
@@ -544,17 +585,17 @@ at::Tensor int4_a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const
                           const c10::optional<at::Tensor>& bias, int64_t n,
                           const c10::optional<at::Tensor>& norm_w, double eps, bool swiglu,
                           const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(1) == 2 &&
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(2) == 2 &&
                   codes.size(3) == kA8BlockBytes / 2 && codes.is_contiguous(),
-              "int4_a8_linear: codes must be uint8 [ceil(out / 16), 2, in / 32, 128] "
+              "int4_a8_linear: codes must be uint8 [ceil(out / 16), in / 32, 2, 128] "
               "(pack_int4_a8)");
-  const int64_t G = codes.size(2), K = G * kGroup, NB = codes.size(0);
+  const int64_t G = codes.size(1), K = G * kGroup, NB = codes.size(0);
   TORCH_CHECK(K > 0, "int4_a8_linear: in must be a positive multiple of 32");
   const at::Tensor x = kernel_input("int4_a8_linear", x_in, K, norm_w, eps, swiglu);
   const int64_t rows = x.size(0);
-  TORCH_CHECK(sl.dim() == 4 && sl.scalar_type() == at::kFloat && sl.size(0) == NB &&
-                  sl.size(1) == 2 && sl.size(2) == G && sl.size(3) == 16 && sl.is_contiguous(),
-              "int4_a8_linear: scales must be fp32 [blocks, 2, in / 32, 16] (pack_int4_a8)");
+  TORCH_CHECK(sl.dim() == 3 && sl.scalar_type() == at::kFloat && sl.size(0) == NB &&
+                  sl.size(1) == G && sl.size(2) == 2 * kBlock && sl.is_contiguous(),
+              "int4_a8_linear: scales must be fp32 [blocks, in / 32, 32] (pack_int4_a8)");
   at::Tensor b;
   const float* bp = checked_bias("int4_a8_linear", bias, n, NB, b);
   auto y = at::empty({rows, n}, x.options());
@@ -568,11 +609,14 @@ at::Tensor int4_a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const
   const float* sp = sl.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   auto work = [&](int64_t b0, int64_t b1) {
+    std::vector<float> scratch(rows * kBlock + 8);  // the rows' totals, 32-byte aligned
+    float* tot = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
     for (int64_t blk = b0; blk < b1; ++blk) {
       const float* bb = bp ? bp + blk * kBlock : nullptr;
       const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
-      a8_all_rows(a, cp + blk * G * kA8BlockBytes, sp + blk * G * 2 * kBlock, bb,
-                  yp + blk * kBlock, n, n_out);
+      a8_block_all_rows(a, cp + blk * G * kA8BlockBytes, sp + blk * G * 2 * kBlock, bb,
+                        yp + blk * kBlock, n, n_out, tot);
     }
   };
   eb_pool::parallel_for(NB, 4, work);
