@@ -109,22 +109,32 @@ def test_online_correction_follows_measured_steps():
 
 
 def test_a_load_seen_by_draft_less_steps_moves_the_drafting_cost_alike():
-    """Draft-less steps twice as slow as profiled (a busy host) while no drafting step runs:
-    both corrections follow, so the drafting steps' relative cost (and the choice) is the
-    one of a quiet host; before, spec_scale stayed at 1.0 and drafting looked 2x cheaper."""
+    """Draft-less steps slower than profiled (a busy host) while no drafting step runs: once
+    drafting is stale (STALE_DRAFTING steps) both corrections follow the load, so the
+    drafting steps' relative cost (and the choice) stops moving; before, spec_scale stayed
+    where it was and drafting looked ever cheaper."""
     costs = rows_only_costs(0.001, 0.05, 0.01)
     for _ in range(3):
         costs.observe([1], 1, 1.5 * costs.step_s([2], 1))  # drafting: 1.5x its own profile
     rel = costs.spec_scale / costs.decode_scale
     decode = costs.verify_s([1])
+    for _ in range(spec_schedule.STALE_DRAFTING):  # drafting was recent: no carry yet
+        costs.observe([1], 0, 2 * decode)
+    assert costs.spec_scale / costs.decode_scale < 0.8 * rel
     for _ in range(300):
         costs.observe([1], 0, 2 * decode)
     assert costs.decode_scale == pytest.approx(2.0, rel=0.01)
-    assert costs.spec_scale / costs.decode_scale == pytest.approx(rel, rel=1e-9)
-    # the choice against target-only: P = 0.5 for the first draft is worth the same as before
+    # from the stale point on, the ratio is kept (and the load is carried)
+    assert costs.spec_scale / costs.decode_scale == pytest.approx(rel * 0.65, rel=0.2)
+    frozen = costs.spec_scale / costs.decode_scale
+    for _ in range(50):
+        costs.observe([1], 0, 3 * decode)
+    assert costs.spec_scale / costs.decode_scale == pytest.approx(frozen, rel=1e-9)
+    assert costs.decode_scale > 2.5  # the load rose again: spec_scale rose alike
+    # the choice is the one of a quiet host with that ratio
     sch = ConfidenceScheduler(costs, 3)
     quiet = ConfidenceScheduler(rows_only_costs(0.001, 0.05, 0.01), 3)
-    quiet.costs.spec_scale = rel
+    quiet.costs.spec_scale = frozen
     for p in (0.02, 0.1, 0.5, 0.9):
         assert sch.choose([[p, p * p]], [2]).lengths == quiet.choose([[p, p * p]], [2]).lengths
 

@@ -56,6 +56,7 @@ log = logging.getLogger("edgebuild.runtime")
 CALIBRATION_PRIOR = 4.0  # pseudo-observations behind the initial calibration factor 1.0
 CALIBRATION_DECAY = 0.999  # per observation: old steps fade (drafts drift with the text)
 COST_EMA = 0.05  # weight of one measured step in the online cost correction
+STALE_DRAFTING = 20  # draft-less steps in a row after which the load is carried to drafting
 INITIAL_PROFILE = 0.6  # prior per-position acceptance before any step was observed
 PROFILE_EMA = 0.1  # weight of one request's step in the running mean profile
 STALE_DRIFT = 0.2  # per skipped step, a request's profile moves this far to the mean
@@ -94,6 +95,7 @@ class StepCosts:
     draft: list[list[float]]
     decode_scale: float = 1.0  # online correction of a draft-less step: measured / profiled
     spec_scale: float = 1.0  # ... of a drafting step (draft + verify + the decoder's own work)
+    draftless_run: int = 0  # draft-less steps observed since the last drafting step
 
     def __post_init__(self):
         if (
@@ -157,13 +159,14 @@ class StepCosts:
     def observe(self, rows: Sequence[int], drafted: int, measured: float) -> None:
         """Fold one measured step (as in :meth:`step_s`) into its online correction.
 
-        A draft-less step's change of ``decode_scale`` also scales ``spec_scale``: the
-        machine's load moves both kinds of step alike, and the kind the scheduler rarely
-        takes must not be judged on the costs of another load. Without this, draft-less steps
-        on a busy host measured 1.5x their profile while the rare drafting steps' correction
-        stayed at 1.0, so drafting looked 1.5x cheaper than it was, and scheduled int4 DSpark
-        ran at x0.95 of target-only (bench/README.md). Only drafting steps change the ratio
-        of the two (their own extra work).
+        Once drafting steps have become rare (none in the last ``STALE_DRAFTING`` steps), a
+        draft-less step's change of ``decode_scale`` also scales ``spec_scale``: the machine's
+        load moves both kinds of step alike, and a kind the scheduler no longer takes must not
+        be judged on the costs of another load. Without this, draft-less steps on a busy host
+        measured 1.5x their profile while the rare drafting steps' correction stayed at 1.0,
+        so drafting looked 1.5x cheaper than it was, and scheduled int4 DSpark ran at x0.95 of
+        target-only (bench/README.md). While drafting steps are frequent their own
+        correction follows the load (carrying it too would count it twice).
         """
         attr = "decode_scale" if drafted <= 0 else "spec_scale"
         old = getattr(self, attr)
@@ -173,7 +176,11 @@ class StepCosts:
         ratio = measured / profiled
         new = (1 - COST_EMA) * old + COST_EMA * ratio
         setattr(self, attr, new)
-        if attr == "decode_scale":
+        if attr == "spec_scale":
+            self.draftless_run = 0
+            return
+        self.draftless_run += 1
+        if self.draftless_run > STALE_DRAFTING:
             self.spec_scale *= new / old
 
 
