@@ -202,7 +202,8 @@ class PackedLinear:
             x: ``[..., in]`` (``[..., 2 * in]`` with ``swiglu``).
             norm: an RMSNorm module (``weight [in]``, ``eps``) applied to ``x`` first.
             swiglu: ``x`` is gate | up; ``silu(gate) * up`` is multiplied.
-            residual: ``[..., out]``; returns ``residual + linear(x)``.
+            residual: ``[..., out]``, the result's shape and dtype (the fused kernels refuse
+                another; they do not broadcast); returns ``residual + linear(x)``.
 
         With edgebuild's fp32 / int4 kernels (:mod:`edgebuild.ops.f32_linear`) these steps
         run inside the kernel's call (one call for what were ~10 torch ops); otherwise as the
