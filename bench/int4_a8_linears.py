@@ -40,7 +40,7 @@ def token(ws, xs, a8: bool) -> float:
     t = time.perf_counter()
     for n, k, old, new in ws:
         if a8:
-            f32_linear.linear_int4_a8(xs[k], *new, None, n)
+            f32_linear.linear_int4(xs[k], *new, None, n, int8_inputs=True)
         else:
             f32_linear.linear_int4(xs[k], *old, None, n)
     return time.perf_counter() - t

@@ -201,12 +201,19 @@ def test_packed_linear_uses_the_int4_kernel_for_fp32_inputs(monkeypatch):
     assert torch.equal(packed(x[2:3, 4:5]), y[2:3, 4:5])
 
 
-def test_bad_shapes_are_refused_with_what_was_wrong():
+def _refused_mismatched_scales(pack, k: int):
+    """(codes, scale_and_zero) of a random [20, k] weight, after checking that ``pack``
+    refuses scales of the wrong shape by name."""
     from edgebuild.ops.linear import quantize_int4
 
-    codes, sz = quantize_int4(torch.randn(20, 64))
-    with pytest.raises(ValueError, match=r"scale_and_zero \[2, 20, 2\]"):
-        f32_linear.pack_int4(codes, sz[:1])
+    codes, sz = quantize_int4(torch.randn(20, k))
+    with pytest.raises(ValueError, match=rf"scale_and_zero \[{k // 32}, 20, 2\]"):
+        pack(codes, sz[:1])
+    return codes, sz
+
+
+def test_bad_shapes_are_refused_with_what_was_wrong():
+    _refused_mismatched_scales(f32_linear.pack_int4, 64)
     if not f32_linear.available():
         return
     w = f32_linear.pack(torch.randn(20, 64))
@@ -259,11 +266,11 @@ def test_fused_steps_equal_fp64_and_stay_row_invariant(quant, k, n, monkeypatch)
     res = torch.randn(9, n, generator=g)
     with torch.no_grad():
         cases = {
-            "norm": (p(x, norm), _fp64_rms_norm(x, norm.weight, 1e-5), p._linear(norm(x))),
+            "norm": (p(x, norm), _fp64_rms_norm(x, norm.weight, 1e-5), p(norm(x))),
             "swiglu": (
                 p(gu, swiglu=True),
                 torch.nn.functional.silu(gu[:, :k].double()) * gu[:, k:].double(),
-                p._linear(torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]),
+                p(torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]),
             ),
         }
         for name, (got, h, torch_ops) in cases.items():
@@ -474,18 +481,22 @@ def test_int4_a8_kernel_equals_the_fp64_oracle_and_is_row_invariant(n, k, with_b
     pc, sl = f32_linear.pack_int4_a8(codes, sz)
     b = f32_linear.pack_bias(bias, pc)
     x = torch.randn(40, k, generator=g) + 0.3 * torch.randn(k, generator=g)  # a mean per input
-    full = f32_linear.linear_int4_a8(x, pc, sl, b, n)
+    full = f32_linear.linear_int4(x, pc, sl, b, n, int8_inputs=True)
     assert full.shape == (40, n) and full.dtype == torch.float32
     ref, bound = _a8_oracle(x, codes, sz, bias)
     assert ((full.double() - ref).abs() <= bound).all()
     assert torch.equal(full, _a8_exact(x, codes, sz, bias))  # the kernel's fp32 steps exactly
     for rows in range(1, 18):  # chunks of 4 rows and their remainders
-        part = f32_linear.linear_int4_a8(x[:rows].contiguous(), pc, sl, b, n)
+        part = f32_linear.linear_int4(x[:rows].contiguous(), pc, sl, b, n, int8_inputs=True)
         assert torch.equal(part, full[:rows]), rows
-    one = torch.cat([f32_linear.linear_int4_a8(x[i : i + 1], pc, sl, b, n) for i in range(40)])
+    one = torch.cat(
+        [f32_linear.linear_int4(x[i : i + 1], pc, sl, b, n, int8_inputs=True) for i in range(40)]
+    )
     assert torch.equal(one, full)
-    assert torch.equal(f32_linear.linear_int4_a8(x[3:12], pc, sl, b, n), full[3:12])  # offsets
-    assert f32_linear.linear_int4_a8(x[:0], pc, sl, b, n).shape == (0, n)
+    assert torch.equal(
+        f32_linear.linear_int4(x[3:12], pc, sl, b, n, int8_inputs=True), full[3:12]
+    )  # offsets
+    assert f32_linear.linear_int4(x[:0], pc, sl, b, n, int8_inputs=True).shape == (0, n)
 
 
 @needs_kernel
@@ -499,7 +510,9 @@ def test_int4_a8_is_within_the_activation_rounding_of_the_fp32_input_kernel(n, k
     g = torch.Generator().manual_seed(10)
     codes, sz = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(8, k, generator=g)
-    a8 = f32_linear.linear_int4_a8(x, *f32_linear.pack_int4_a8(codes, sz), None, n).double()
+    a8 = f32_linear.linear_int4(
+        x, *f32_linear.pack_int4_a8(codes, sz), None, n, int8_inputs=True
+    ).double()
     f32 = f32_linear.linear_int4(x, *f32_linear.pack_int4(codes, sz), None, n).double()
     w = dequantize_int4(codes, sz).double().abs()  # [out, in]
     _, sx = _int8_rows(x)
@@ -522,20 +535,16 @@ def test_int4_a8_two_threads_give_the_same_bits():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = f32_linear.linear_int4_a8(x, pc, sl, None, 1000)
+        one = f32_linear.linear_int4(x, pc, sl, None, 1000, int8_inputs=True)
         torch.set_num_threads(2)
-        two = f32_linear.linear_int4_a8(x, pc, sl, None, 1000)
+        two = f32_linear.linear_int4(x, pc, sl, None, 1000, int8_inputs=True)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
 
 
 def test_int4_a8_bad_shapes_are_refused_with_what_was_wrong():
-    from edgebuild.ops.linear import quantize_int4
-
-    codes, sz = quantize_int4(torch.randn(20, 96))
-    with pytest.raises(ValueError, match=r"scale_and_zero \[3, 20, 2\]"):
-        f32_linear.pack_int4_a8(codes, sz[:1])
+    codes, sz = _refused_mismatched_scales(f32_linear.pack_int4_a8, 96)
     if not f32_linear.available():
         return
     pc, sl = f32_linear.pack_int4_a8(codes, sz)
@@ -552,7 +561,7 @@ def test_int4_a8_bad_shapes_are_refused_with_what_was_wrong():
     ]
     for args, msg in cases:
         with pytest.raises(RuntimeError, match=msg):
-            f32_linear.linear_int4_a8(*args)
+            f32_linear.linear_int4(*args, int8_inputs=True)
 
 
 @needs_kernel
@@ -572,9 +581,9 @@ def test_packed_linear_int4_takes_int8_inputs_unless_switched_to_fp32(monkeypatc
             y = packed(x)
             assert y.shape == (3, 5, 40) and y.dtype == torch.float32
             if mode == "int8":
-                want = f32_linear.linear_int4_a8(
+                want = f32_linear.linear_int4(
                     x.reshape(15, 64), *f32_linear.pack_int4_a8(codes, sz),
-                    f32_linear.pack_bias(lin.bias, packed.weight), 40,
+                    f32_linear.pack_bias(lin.bias, packed.weight), 40, int8_inputs=True,
                 )  # fmt: skip
                 assert torch.equal(y.reshape(15, 40), want)
             assert torch.equal(packed(x[2:3, 4:5]), y[2:3, 4:5])

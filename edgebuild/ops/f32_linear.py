@@ -93,7 +93,7 @@ def available() -> bool:
 def int4_activations() -> str:
     """``"int8"`` or ``"fp32"``: how an int4 linear on an fp32 runtime treats its inputs, as
     ``EDGEBUILD_INT4_ACTIVATIONS`` says (read once). ``int8`` (the default): quantized per row
-    and group of 32 to int8 in the kernel (:func:`linear_int4_a8`, integer dot products);
+    and group of 32 to int8 in the kernel (:func:`linear_int4` with ``int8_inputs=True``, integer dot products);
     ``fp32``: used as they are (:func:`linear_int4`, the codes widened to fp32).
 
     Raises:
@@ -219,30 +219,43 @@ def linear_int4(
     bias: torch.Tensor | None,
     out_features: int,
     *,
+    int8_inputs: bool = False,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x fp32 [rows, in] @ W.T (+ bias)`` for a :func:`pack_int4`-ed int4 W (``W = code *
-    scale + lo``, widened to fp32 in the kernel): fp32 ``[rows, out_features]``. Row-invariant
-    and with the same optional ``norm_weight`` / ``eps``, ``swiglu`` and ``residual`` steps as
-    :func:`linear`. Call only when :func:`available` is True.
+    """``x fp32 [rows, in] @ W.T (+ bias)`` for an int4 W (``W = code * scale + lo``):
+    fp32 ``[rows, out_features]``, with the same optional ``norm_weight`` / ``eps``,
+    ``swiglu`` and ``residual`` steps as :func:`linear` (before / after the product).
+
+    * ``int8_inputs=False``: W packed by :func:`pack_int4`; its codes widened to fp32 in the
+      kernel, the inputs used as they are.
+    * ``int8_inputs=True``: W packed by :func:`pack_int4_a8`; each row of the (normalized /
+      SwiGLU'ed) input quantized to int8 per group of 32 in the kernel (``sx = max|x| / 127``,
+      ``xq = round(x / sx)``; integer dot products, as llama.cpp's Q4_1 x Q8_1 and
+      onnxruntime's MatMulNBits at accuracy_level 4): the result equals within fp32 rounding
+      ``sum_g sx_g * sum_k (code * scale + lo) * xq`` (+ bias).
+
+    Row-invariant like :func:`linear`. Call only when :func:`available` is True.
 
     Raises:
-        RuntimeError: x is not fp32 [rows, in] with ``in`` a multiple of 32 (``2 * in`` with
-            swiglu), or the codes / scales / bias / norm_weight / residual do not have the
-            shapes above for it (the kernel's checks name the argument).
+        RuntimeError: x is not fp32 [rows, in] (``2 * in`` with swiglu) with ``in`` a positive
+            multiple of 32, or the codes / scales / bias / norm_weight / residual do not have
+            the pack function's shapes for it (the kernel's checks name the argument).
     """
-    return torch.ops.edgebuild_f32.int4_f32_linear(
-        x, codes, sl, bias, out_features, norm_weight, eps, swiglu, residual
+    op = (
+        torch.ops.edgebuild_f32.int4_a8_linear
+        if int8_inputs
+        else torch.ops.edgebuild_f32.int4_f32_linear
     )
+    return op(x, codes, sl, bias, out_features, norm_weight, eps, swiglu, residual)
 
 
 def pack_int4_a8(
     codes: torch.Tensor, scale_and_zero: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8-activation int4 kernel's layout (:func:`linear_int4_a8`) of
+    """The int8-activation int4 kernel's layout (:func:`linear_int4` with ``int8_inputs=True``) of
     :func:`~edgebuild.ops.linear.quantize_int4`'s output.
 
     Args:
@@ -276,40 +289,9 @@ def pack_int4_a8(
     return packed, sl
 
 
-def linear_int4_a8(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    sl: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_features: int,
-    *,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    swiglu: bool = False,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for a :func:`pack_int4_a8`-ed int4 W, with each row of ``x``
-    quantized to int8 per group of 32 inputs in the kernel (``sx = max|x| / 127``,
-    ``xq = round(x / sx)``; integer dot products, as llama.cpp's Q4_1 x Q8_1 and onnxruntime's
-    MatMulNBits at accuracy_level 4): fp32 ``[rows, out_features]``, equal within fp32 rounding
-    to ``sum_g sx_g * sum_k (code * scale + lo) * xq`` (+ bias). Row-invariant, and with the
-    same optional ``norm_weight`` / ``eps``, ``swiglu`` and ``residual`` steps as
-    :func:`linear` (the norm / SwiGLU in fp32 before the quantization). Call only when
-    :func:`available` is True.
-
-    Raises:
-        RuntimeError: x is not fp32 [rows, in] (``2 * in`` with swiglu) with ``in`` a positive
-            multiple of 32, or the codes / scales / bias / norm_weight / residual do not have
-            :func:`pack_int4_a8`'s shapes for it (the kernel's checks name the argument).
-    """
-    return torch.ops.edgebuild_f32.int4_a8_linear(
-        x, codes, sl, bias, out_features, norm_weight, eps, swiglu, residual
-    )
-
-
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's own int8 quantization of ``x`` fp32 [rows, in] (``in`` a multiple of 32),
-    as :func:`linear_int4_a8` does it: (xq int8 [rows, in], sx fp32 [rows, in / 32], ms fp32
+    as :func:`linear_int4` with ``int8_inputs=True`` does it: (xq int8 [rows, in], sx fp32 [rows, in / 32], ms fp32
     [rows, in / 32] = ``sx * sum(xq)`` per group). For tests and tools.
 
     Raises:

@@ -71,7 +71,7 @@ class PackedLinear:
             differ from the unquantized model's, so it is opt-in); or ``"int4"``: weight-only
             asymmetric 4-bit, one scale and zero per ``INT4_GROUP_SIZE`` input features of each
             output feature (:func:`quantize_int4`), run for fp32 inputs on CPUs with AVX2 +
-            FMA by edgebuild's kernels (:func:`edgebuild.ops.f32_linear.linear_int4_a8`, the
+            FMA by edgebuild's kernels (:func:`edgebuild.ops.f32_linear.linear_int4`, by
             default: each input row quantized to int8 per group of 32 in the kernel, integer
             dot products; or, with ``EDGEBUILD_INT4_ACTIVATIONS=fp32``, :func:`~edgebuild.ops.
             f32_linear.linear_int4`, fp32 inputs: on an AVX2 host torch's int4 kernel took
@@ -209,8 +209,8 @@ class PackedLinear:
         run inside the kernel's call (one call for what were ~10 torch ops); otherwise as the
         torch ops :class:`~edgebuild.models.common.RMSNorm`, ``F.silu`` and ``+``.
         """
-        if (self.f32_kernel or self.int4_f32) and x.dtype == torch.float32:
-            return self._fused(x, norm, swiglu, residual)
+        if self.f32_kernel or self.int4_f32:  # fp32 weights / runtime: the kernels' own path
+            return self._fused(x.float(), norm, swiglu, residual)
         if norm is not None:
             x = norm(x)
         if swiglu:
@@ -228,7 +228,7 @@ class PackedLinear:
     ) -> torch.Tensor:
         """The fp32 / int4 kernels' call with the norm / swiglu / residual steps inside."""
         nw, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        ops = torch.ops.edgebuild_f32  # f32_linear.linear / linear_int4(_a8), called directly:
+        ops = torch.ops.edgebuild_f32  # f32_linear.linear / linear_int4, called directly:
         # they take x [..., in] and return [..., out] (no reshapes here: ~3 us a call)
         if self.f32_kernel:
             return ops.f32_linear(x, self.weight, self._f32_bias, self.out_features, nw, eps,
@@ -245,12 +245,7 @@ class PackedLinear:
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         rows = x2.shape[0]
-        if self.f32_kernel:
-            y = f32_linear.linear(x2, self.weight, self._f32_bias, self.out_features)
-        elif self.int4_f32:
-            run = f32_linear.linear_int4_a8 if self.int4_a8 else f32_linear.linear_int4
-            y = run(x2, self.weight, self._int4_sl, self._f32_bias, self.out_features)
-        elif self.bf16_amx:
+        if self.bf16_amx:
             y = amx_linear.linear_bf16(x2, self.weight, self._amx_bias)
             if y.shape[1] != self.out_features:  # padded to a whole block of 16
                 y = y[:, : self.out_features]
