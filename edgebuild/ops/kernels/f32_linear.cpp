@@ -354,7 +354,7 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
 
 // ------------------------------------------------- int4 weights, int8 inputs (W4A8, AVX2)
 // `--quant int4` on an fp32 runtime with the activations quantized to int8 in the op
-// (edgebuild.ops.f32_linear.pack_int4_a8 / linear_int4_a8), as llama.cpp's Q4_1 x Q8_1 dot
+// (edgebuild.ops.f32_linear.pack_int4_a8 / linear_int4 with int8_inputs), as llama.cpp's Q4_1 x Q8_1 dot
 // product and onnxruntime's MatMulNBits at accuracy_level 4 do. Why: the fp32-input kernel
 // above widens every code to fp32 and spends ~9 vector uops per 16 products at one row
 // (compute-bound, ~13 ms for SmolLM2-135M's int4 linears per token); here 64 products cost
