@@ -224,3 +224,111 @@ class PreNormDecoderLayer(nn.Module):
         """Pack the attention's and the MLP's linears for eager CPU inference."""
         self.self_attn.pack_for_cpu(quant)
         self.mlp.pack_for_cpu(quant)
+
+
+class FusedLayers:
+    """A decode / verify step's pre-norm decoder layers as flat kernel calls.
+
+    What :class:`PreNormDecoderLayer` computes through its modules, for a step whose every
+    linear runs on edgebuild's fp32 / int4 kernels (:meth:`~edgebuild.ops.linear.PackedLinear.
+    kernel_call`) and whose attention is the fused C++ decode step (no q/k norms; a
+    row-invariant plan: causal, cache written, <= 16 new rows per sequence). Per layer::
+
+        qkv = qkv_op(x, *qkv_w, input_layernorm.weight, eps, False, None)
+        a   = fused decode step (RoPE, K/V write, attention; ops/attention_fast._fused_step)
+        h   = o_op(a, *o_w, None, 0, False, x)                    # x + o_proj(a)
+        gu  = gate_up_op(h, *gu_w, post_attention_layernorm.weight, eps, False, None)
+        x   = down_op(gu, *down_w, None, 0, True, h)              # h + down(silu(g) * u)
+
+    The same ops with the same inputs in the same order as the modules' path, so the same
+    bits (tests/test_fused_layers.py); what goes is the Python between them: ~100 us a layer
+    of module calls, argument checks and plan lookups (3.2 of a 10 ms int4 SmolLM2 step at
+    one thread, bench/README.md).
+    """
+
+    def __init__(self, calls: list[tuple], attn: list[tuple]):
+        self.calls = calls  # per layer: (qkv, o, gate_up, down) as (op, lead args, norm)
+        self.attn = attn  # per layer: (Hq, Hkv, D, sliding_window, scale)
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList) -> FusedLayers | None:
+        """The program of ``layers`` (packed :class:`PreNormDecoderLayer` s), or None when one
+        of them has a part it cannot run (a linear off the fp32 / int4 kernels, q/k norms, an
+        attention that is not causal self-attention writing its cache)."""
+        calls, attn = [], []
+        for layer in layers:
+            sa, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            spec = getattr(sa, "spec", None)
+            if (
+                not isinstance(layer, PreNormDecoderLayer)
+                or spec is None
+                or not (spec.causal and spec.write_kv)
+                or getattr(sa, "q_norm", None) is not None
+                or getattr(sa, "k_norm", None) is not None
+            ):
+                return None
+            parts = [sa.packed_qkv, sa.packed_o, mlp.packed_gate_up, mlp.packed_down]
+            bound = [None if p is None else p.kernel_call() for p in parts]
+            if any(b is None for b in bound):
+                return None
+            norms = [layer.input_layernorm, None, layer.post_attention_layernorm, None]
+            calls.append(tuple((op, lead, n) for (op, lead), n in zip(bound, norms, strict=True)))
+            attn.append(
+                (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window,
+                 spec.scale)
+            )  # fmt: skip
+        return cls(calls, attn) if calls else None
+
+    def plan_for(self, x: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch):
+        """The step's row-invariant DensePlan when this program can run it, else None: eager,
+        fp32 ``x [B, S, d]`` contiguous, all rows of the batch laid out ``[B, S]`` (no
+        ``flat_valid``), the decode kernel usable on these caches, <= 16 rows a sequence."""
+        from edgebuild.ops import attention_fast, attention_kernel
+
+        if (
+            x.dtype != torch.float32
+            or not x.is_contiguous()
+            or x.dim() != 3
+            or batch.flat_valid is not None
+            or not attention_fast.FUSED_STEP
+            or torch.compiler.is_exporting()
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        head_dim = self.attn[0][2]
+        if not attention_kernel.usable(torch.float32, kv_caches[0], head_dim):
+            return None
+        plan = batch.plan(x.shape[1], kv_caches[0].shape[3], True, True)
+        return plan if plan.row_invariant else None
+
+    def run(
+        self,
+        x: torch.Tensor,  # fp32 [B, S, d]
+        kv_caches: list[torch.Tensor],  # per layer [num_pages, 2, Hkv, page_size, D]
+        batch: PagedBatch,
+        rope_table: torch.Tensor,  # fp32 [max_position, rotary_dim]
+        plan,  # from plan_for
+        taps: dict[int, torch.Tensor],  # filled with the outputs of the layers in `wanted`
+        wanted: set[int],
+    ) -> torch.Tensor:  # fp32 [B, S, d], the last layer's output
+        """Run every layer (class docstring); layer i's output goes to ``taps[i]`` when i is
+        in ``wanted``. The caches are written in place, as by the modules."""
+        from edgebuild.ops.attention_fast import _fused_step
+
+        bsz, rows = x.shape[:2]
+        positions = batch.positions
+        for i, ((qkv, o, gu, down), (hq, hkv, d, window, scale)) in enumerate(
+            zip(self.calls, self.attn, strict=True)
+        ):
+            n1, n2 = qkv[2], gu[2]
+            h = qkv[0](x, *qkv[1], n1.weight, n1.eps, False, None)
+            a = _fused_step(
+                h.view(bsz, rows, hq + 2 * hkv, d), kv_caches[i], plan, positions, rope_table,
+                hq, window, scale,
+            )  # fmt: skip
+            h = o[0](a, *o[1], None, 0.0, False, x)
+            x = down[0](gu[0](h, *gu[1], n2.weight, n2.eps, False, None), *down[1], None, 0.0,
+                        True, h)  # fmt: skip
+            if i in wanted:
+                taps[i] = x
+        return x

@@ -21,6 +21,7 @@ from edgebuild.checkpoint.quant import QuantizedWeight, quant_tensor_suffixes
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import CheckpointError
 from edgebuild.models.common import (
+    FusedLayers,
     GatedMLP,
     PagedBatch,
     PreNormDecoderLayer,
@@ -148,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope_table = torch.empty(0, 0)
         self.packed_lm_head: PackedLinear | None = None  # set by pack_for_cpu
+        self.fused_layers: FusedLayers | None = None  # set by pack_for_cpu where it can run
 
     def pack_for_cpu(self, quant: str | None = None) -> LlamaForCausalLM:
         """Pack every linear once for the eager CPU runtime (fused q/k/v and gate/up).
@@ -160,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.pack_for_cpu(quant)
         self.packed_lm_head = PackedLinear([self.lm_head], quant)
+        self.fused_layers = FusedLayers.build(self.model.layers)
         return self
 
     # ------------------------------------------------------------------ running
@@ -212,10 +215,15 @@ class LlamaForCausalLM(nn.Module):
         wanted = set(tap_layers)
         if -1 in wanted:
             taps[-1] = x
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, kv_caches[i], batch, table)
-            if i in wanted:
-                taps[i] = x
+        fused = self.fused_layers
+        plan = None if fused is None else fused.plan_for(x, kv_caches, batch)
+        if plan is not None:  # a decode / verify step as flat kernel calls (same bits)
+            x = fused.run(x, kv_caches, batch, table, plan, taps, wanted)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, kv_caches[i], batch, table)
+                if i in wanted:
+                    taps[i] = x
         tap = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         if valid is not None:
             x, tap = _unflatten(x, valid), (None if tap is None else _unflatten(tap, valid))

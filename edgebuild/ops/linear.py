@@ -228,14 +228,26 @@ class PackedLinear:
     ) -> torch.Tensor:
         """The fp32 / int4 kernels' call with the norm / swiglu / residual steps inside."""
         nw, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        ops = torch.ops.edgebuild_f32  # f32_linear.linear / linear_int4, called directly:
-        # they take x [..., in] and return [..., out] (no reshapes here: ~3 us a call)
+        op, lead = self.kernel_call()
+        return op(x, *lead, nw, eps, swiglu, residual)
+
+    def kernel_call(self) -> tuple[object, tuple] | None:
+        """``(op, lead)`` such that ``op(x, *lead, norm_weight, eps, swiglu, residual)`` is this
+        linear's fused call (:meth:`__call__` with fp32 ``x [..., in]``), or None when its
+        weights do not run on edgebuild's fp32 / int4 kernels.
+
+        The op is :func:`edgebuild.ops.f32_linear.linear` / ``linear_int4``'s registered
+        operator, called directly: it takes ``x [..., in]`` and returns ``[..., out]`` (no
+        reshapes, ~3 us a call). A decode step's layer loop binds these once
+        (:class:`edgebuild.models.common.FusedLayers`).
+        """
+        ops = torch.ops.edgebuild_f32
         if self.f32_kernel:
-            return ops.f32_linear(x, self.weight, self._f32_bias, self.out_features, nw, eps,
-                                  swiglu, residual)  # fmt: skip
-        op = ops.int4_a8_linear if self.int4_a8 else ops.int4_f32_linear
-        return op(x, self.weight, self._int4_sl, self._f32_bias, self.out_features, nw, eps,
-                  swiglu, residual)  # fmt: skip
+            return ops.f32_linear, (self.weight, self._f32_bias, self.out_features)
+        if self.int4_f32:
+            op = ops.int4_a8_linear if self.int4_a8 else ops.int4_f32_linear
+            return op, (self.weight, self._int4_sl, self._f32_bias, self.out_features)
+        return None
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
