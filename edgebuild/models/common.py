@@ -235,27 +235,29 @@ class FusedLayers:
     row-invariant plan: causal, cache written, <= 16 new rows per sequence). Per layer::
 
         qkv = qkv_op(x, *qkv_w, input_layernorm.weight, eps, False, None)
-        a   = fused decode step (RoPE, K/V write, attention; ops/attention_fast._fused_step)
+        a   = decode_step(qkv, cache, *step_args)   # RoPE, K/V write, attention (C++)
         h   = o_op(a, *o_w, None, 0, False, x)                    # x + o_proj(a)
         gu  = gate_up_op(h, *gu_w, post_attention_layernorm.weight, eps, False, None)
         x   = down_op(gu, *down_w, None, 0, True, h)              # h + down(silu(g) * u)
 
-    The same ops with the same inputs in the same order as the modules' path, so the same
-    bits (tests/test_fused_layers.py); what goes is the Python between them: ~100 us a layer
-    of module calls, argument checks and plan lookups (3.2 of a 10 ms int4 SmolLM2 step at
-    one thread, bench/README.md).
+    ``step_args`` are the step's (:func:`edgebuild.ops.attention_fast.fused_step_args`, built
+    once per step and window). The same ops with the same inputs in the same order as the
+    modules' path, so the same bits (tests/test_fused_layers.py); what goes is the Python
+    between them: ~100 us a layer of module calls, argument checks and plan lookups (an int4
+    SmolLM2 token at one thread: 10.1 -> 8.0 ms, bench/README.md).
     """
 
-    def __init__(self, calls: list[tuple], attn: list[tuple]):
-        self.calls = calls  # per layer: (qkv, o, gate_up, down) as (op, lead args, norm)
-        self.attn = attn  # per layer: (Hq, Hkv, D, sliding_window, scale)
+    def __init__(self, layers: list[tuple]):
+        # per layer: (qkv op, its lead args, input_layernorm, o op, lead, gate_up op, lead,
+        # post_attention_layernorm, down op, lead, (Hq, Hkv, D, sliding_window, scale))
+        self.layers = layers
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> FusedLayers | None:
         """The program of ``layers`` (packed :class:`PreNormDecoderLayer` s), or None when one
         of them has a part it cannot run (a linear off the fp32 / int4 kernels, q/k norms, an
         attention that is not causal self-attention writing its cache)."""
-        calls, attn = [], []
+        program = []
         for layer in layers:
             sa, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             spec = getattr(sa, "spec", None)
@@ -271,13 +273,14 @@ class FusedLayers:
             bound = [None if p is None else p.kernel_call() for p in parts]
             if any(b is None for b in bound):
                 return None
-            norms = [layer.input_layernorm, None, layer.post_attention_layernorm, None]
-            calls.append(tuple((op, lead, n) for (op, lead), n in zip(bound, norms, strict=True)))
-            attn.append(
-                (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window,
-                 spec.scale)
+            (qkv, qkv_w), (o, o_w), (gu, gu_w), (down, down_w) = bound
+            heads = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window,
+                     spec.scale)  # fmt: skip
+            program.append(
+                (qkv.default, qkv_w, layer.input_layernorm, o.default, o_w, gu.default, gu_w,
+                 layer.post_attention_layernorm, down.default, down_w, heads)
             )  # fmt: skip
-        return cls(calls, attn) if calls else None
+        return cls(program) if program else None
 
     def plan_for(self, x: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch):
         """The step's row-invariant DensePlan when this program can run it, else None: eager,
@@ -295,11 +298,13 @@ class FusedLayers:
             or torch.compiler.is_compiling()
         ):
             return None
-        head_dim = self.attn[0][2]
+        head_dim = self.layers[0][-1][2]
         if not attention_kernel.usable(torch.float32, kv_caches[0], head_dim):
             return None
         plan = batch.plan(x.shape[1], kv_caches[0].shape[3], True, True)
-        return plan if plan.row_invariant else None
+        if not plan.row_invariant or plan.write_b.numel() != x.shape[0] * x.shape[1]:
+            return None  # the program runs steps whose every row is valid
+        return plan
 
     def run(
         self,
@@ -313,22 +318,22 @@ class FusedLayers:
     ) -> torch.Tensor:  # fp32 [B, S, d], the last layer's output
         """Run every layer (class docstring); layer i's output goes to ``taps[i]`` when i is
         in ``wanted``. The caches are written in place, as by the modules."""
-        from edgebuild.ops.attention_fast import _fused_step
+        from edgebuild.ops.attention_fast import fused_step_args
 
         bsz, rows = x.shape[:2]
-        positions = batch.positions
-        for i, ((qkv, o, gu, down), (hq, hkv, d, window, scale)) in enumerate(
-            zip(self.calls, self.attn, strict=True)
+        step = torch.ops.edgebuild_attn.decode_step.default  # attention_kernel.decode_step
+        args: dict[int, tuple] = {}
+        for i, (qkv, qkv_w, n1, o, o_w, gu, gu_w, n2, down, down_w, heads) in enumerate(
+            self.layers
         ):
-            n1, n2 = qkv[2], gu[2]
-            h = qkv[0](x, *qkv[1], n1.weight, n1.eps, False, None)
-            a = _fused_step(
-                h.view(bsz, rows, hq + 2 * hkv, d), kv_caches[i], plan, positions, rope_table,
-                hq, window, scale,
-            )  # fmt: skip
-            h = o[0](a, *o[1], None, 0.0, False, x)
-            x = down[0](gu[0](h, *gu[1], n2.weight, n2.eps, False, None), *down[1], None, 0.0,
-                        True, h)  # fmt: skip
+            hq, hkv, d, window, scale = heads
+            a = args.get(window)
+            if a is None:
+                a = args[window] = fused_step_args(plan, batch.positions, rope_table, window)
+            h = qkv(x, *qkv_w, n1.weight, n1.eps, False, None)
+            h = step(h.view(bsz, rows, hq + 2 * hkv, d), kv_caches[i], *a, hq, scale)
+            h = o(h.view(bsz, rows, hq * d), *o_w, None, 0.0, False, x)
+            x = down(gu(h, *gu_w, n2.weight, n2.eps, False, None), *down_w, None, 0.0, True, h)
             if i in wanted:
                 taps[i] = x
         return x

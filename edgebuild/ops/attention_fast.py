@@ -342,11 +342,29 @@ def _fused_step(
 ) -> Tensor:  # fmt: skip
     """:func:`_decode_step` through :func:`edgebuild.ops.attention_kernel.decode_step`; the
     step's inputs (cos/sin rows, int64 indices, each row's mask) are built once per step and
-    shared by the layers (``plan._memo``)."""
+    shared by the layers (:func:`fused_step_args`)."""
     bsz, rows, _, d = heads.shape
+    args = fused_step_args(plan, positions, rope_cos_sin, sliding_window)
+    o = attention_kernel.decode_step(heads, kv_cache, *args, hq, scale)
+    wb, wi = args[2], args[3]
+    if wb.numel() == bsz * rows:  # every row is valid (a lone sequence's decode / verify)
+        return o.view(bsz, rows, hq * d)
+    out = heads.new_zeros(bsz, rows, hq * d)
+    if wb.numel():
+        out[wb, wi] = o
+    return out
+
+
+def fused_step_args(
+    plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor, sliding_window: int
+) -> tuple[Tensor, ...]:
+    """The step's inputs of :func:`edgebuild.ops.attention_kernel.decode_step` after
+    ``heads`` and the cache: ``(cos, sin, write_b, write_i, write_pages, write_offsets,
+    page_table, mask)`` (shapes there), built once per plan, RoPE table and window."""
     key = ("fused", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape), sliding_window)
     args = plan._memo.get(key)
     if args is None:
+        bsz, rows = plan.valid_rows.shape
         if rope_cos_sin.shape[1]:
             cos, sin = (
                 t.squeeze(2).contiguous() for t in _rope_rows(plan, positions, rope_cos_sin)
@@ -359,14 +377,7 @@ def _fused_step(
             cos, sin, wb, wi, plan.write_pages.long().contiguous(),
             plan.write_offsets.long().contiguous(), plan.page_table.long().contiguous(), mask,
         )  # fmt: skip
-    o = attention_kernel.decode_step(heads, kv_cache, *args, hq, scale)
-    wb, wi = args[2], args[3]
-    if wb.numel() == bsz * rows:  # every row is valid (a lone sequence's decode / verify)
-        return o.view(bsz, rows, hq * d)
-    out = heads.new_zeros(bsz, rows, hq * d)
-    if wb.numel():
-        out[wb, wi] = o
-    return out
+    return args
 
 
 def _sdpa_rows(

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "simd_math.h"
 
 namespace {
 
@@ -143,28 +144,6 @@ const float* checked_bias(const char* op, const c10::optional<at::Tensor>& bias,
 // down_proj), and the output can be added to a residual. In torch ops these were ~20 calls a
 // layer, ~40% of an int4 decode step at one thread (bench/README.md). Every row is computed on
 // its own, so the ops stay row-invariant.
-
-// exp(x) for 8 floats (Cephes expf, the polynomial of avx_mathfun: |rel err| < 2e-7 on the
-// clamped range; e^x of x < -88.38 is 0 or a denormal's neighbour, of x > 88.38 is clamped).
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
-                    _mm256_set1_ps(88.3762626647949f));
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 // HF's RMSNorm of one row (LlamaRMSNorm, fp32): w * (x * rsqrt(mean(x^2) + eps)). The sum of
 // squares is accumulated in fp64 (so it is the fp32 rounding of the exact mean, where torch's
