@@ -157,3 +157,11 @@ def test_a_draft_top_k_the_engine_was_not_built_for_is_refused(tiny):
         rt.decoder(spec_for(draft_dir, draft_top_k=5))
     assert isinstance(rt.decoder(spec_for(draft_dir, draft_top_k=8)), DSparkDecoder)
     assert isinstance(rt.decoder(spec_for(draft_dir)), DSparkDecoder)  # default: the engine's
+
+
+def test_a_draft_quantization_is_refused_by_the_engine_backends(tiny):
+    """The engines' draft runs as built: the torch runtime's packing key is refused by name."""
+    rt, _ = runtime(tiny)
+    _, draft_dir, _ = tiny
+    with pytest.raises(ConfigError, match="quantization 'int4' applies to the torch"):
+        rt.decoder(spec_for(draft_dir, quantization="int4"))

@@ -42,8 +42,10 @@ _KEYS = {
     "draft_top_k",
     "confidence_threshold",
     "confidence_scheduling",
+    "quantization",
 }
 DEFAULT_DRAFT_TOP_K = 16
+DRAFT_QUANTIZATIONS = ("int4", "int8", "none")  # the torch runtime's weight packing of the draft
 
 
 def read_draft_config(draft_dir: Path) -> dict:
@@ -109,6 +111,13 @@ class SpeculativeConfig:
             lengths (every step verifies n).
         draft_top_k_given: `draft_top_k` was set by the user (not defaulted): a backend
             that cannot honour it must refuse it.
+        quantization: how the torch (CPU) runtime packs the draft's linears and its borrowed
+            ``lm_head``, apart from the target's ``--quant``: ``"int4"``, ``"int8"`` or
+            ``"none"`` (vLLM's speculative ``quantization`` key; here a packing at load, as
+            ``--quant``). None (not given): int4 on an fp32 runtime whose int4 kernels run,
+            else the target's ``--quant`` (:func:`edgebuild.runtime.dspark_loader.draft_quant`).
+            The output never depends on it (every token is the target's); only the draft's
+            cost and acceptance do. Engine backends refuse it (their draft runs as built).
     """
 
     method: str
@@ -119,6 +128,7 @@ class SpeculativeConfig:
     draft_top_k_given: bool = field(default=False, compare=False)
     confidence_scheduling: bool = True
     source: ModelSource | None = field(default=None, compare=False)  # the resolved reference
+    quantization: str | None = None
 
     @classmethod
     def parse(cls, value: str | dict) -> SpeculativeConfig:
@@ -179,7 +189,16 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-config: confidence_scheduling must be true or false, got {sched!r}"
             )
-        return cls(method, model, n, top_k, float(thr), "draft_top_k" in value, sched, source)
+        quant = value.get("quantization")
+        if quant is not None and quant not in DRAFT_QUANTIZATIONS:
+            raise ConfigError(
+                f"--speculative-config: quantization must be one of {list(DRAFT_QUANTIZATIONS)} "
+                f"(or omitted: int4 on fp32 CPU runtimes, else the target's --quant), got "
+                f"{quant!r}"
+            )
+        return cls(
+            method, model, n, top_k, float(thr), "draft_top_k" in value, sched, source, quant
+        )
 
     def check_block(self, block_size: int, source: str) -> None:
         """num_speculative_tokens must not exceed the draft's block_size (all-predicting)."""

@@ -102,6 +102,12 @@ class TrtRuntime:
             )
         if self.draft is None:
             return TargetOnlyDecoder(self.target, prefill)
+        if spec.quantization is not None:
+            raise ConfigError(
+                f"--speculative-config: quantization {spec.quantization!r} applies to the torch "
+                "(CPU) runtime; the bundle's draft engine runs in the precision it was built "
+                "with: omit quantization, or run with --backend torch"
+            )
         if spec.draft_top_k_given and spec.draft_top_k != self.draft.top_k:
             raise ConfigError(
                 f"--speculative-config: draft_top_k {spec.draft_top_k} cannot be honoured: the "
