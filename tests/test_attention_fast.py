@@ -229,3 +229,58 @@ def test_kernel_thread_pool_rethrows_a_chunk_error_and_keeps_working():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize(
+    "past,lengths,window,want_output",
+    [
+        ([5, 0], [4, 6], 0, False),  # a draft's context update: K/V written, nothing attended
+        ([11, 6], [7, 3], 0, True),  # a draft's non-causal block, unequal rows
+        ([20, 9], [7, 7], 6, True),  # a windowed draft's block
+    ],
+)
+def test_draft_steps_run_the_kernel_and_equal_the_reference(
+    past, lengths, window, want_output, monkeypatch
+):
+    """A DSpark draft's context update and block pass (q/k norms, GQA) take one C++ call a
+    layer (counted), and equal the golden op: the output, and the pool (written by the
+    update, untouched by the block)."""
+    if not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    calls = []
+    step = attention_kernel.decode_step
+
+    def counted(*args, **kwargs):
+        calls.append(args[9] is None)  # the mask: None for a write-only step
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "decode_step", counted)
+    hq, hkv = 4, 2
+    qkv, cache, table, positions = setup(past, lengths, hq, hkv, seed=5)
+    table_cs = rope_cos_sin_table(D, 128, RopeScaling(rope_theta=1e4))
+    g = torch.Generator().manual_seed(2)
+    qn, kn = 1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
+    past_t, len_t = torch.tensor(past, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
+    causal = write_kv = not want_output
+    ref_cache = cache.clone()
+    ref = paged_attention(
+        qkv, ref_cache, table, past_t, len_t, positions, table_cs, qn, kn, None,
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, rotary_dim=D, causal=causal,
+        write_kv=write_kv, sliding_window=window, scale=D**-0.5, page_size=PAGE,
+    )  # fmt: skip
+    plan = DensePlan.build(table, past_t, len_t, qkv.shape[1], PAGE, causal, write_kv)
+    spec = AttentionSpec(
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, causal=causal, write_kv=write_kv,
+        sliding_window=window, scale=D**-0.5,
+    )  # fmt: skip
+    fast_cache = cache.clone()
+    out = paged_attention_planned(
+        qkv, fast_cache, plan, positions, table_cs, qn, kn, spec, want_output
+    )
+    assert calls == [not want_output]
+    torch.testing.assert_close(fast_cache, ref_cache, atol=1e-6, rtol=0)
+    if want_output:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(fast_cache, cache)
+    else:
+        assert out is None and not torch.equal(fast_cache, cache)

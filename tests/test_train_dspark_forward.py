@@ -42,9 +42,10 @@ def _tiny_target(path: Path) -> Path:
 def test_training_forward_matches_the_paged_runtime_forward(tmp_path):
     target = _tiny_target(tmp_path / "target")
     draft_dir = make_random_draft(tmp_path / "draft", target, num_layers=2, scale=0.2)
-    spec = SpeculativeConfig.parse(
-        {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 7}
-    )
+    spec = SpeculativeConfig.parse(  # the draft unquantized: the training forward's weights
+        {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 7,
+         "quantization": "none"}
+    )  # fmt: skip
     backend = prepare_draft(spec, WeightSource(target))(
         RuntimeOptions(max_kv_rows=512, page_size=8)
     )

@@ -231,8 +231,9 @@ class FusedLayers:
 
     What :class:`PreNormDecoderLayer` computes through its modules, for a step whose every
     linear runs on edgebuild's fp32 / int4 kernels (:meth:`~edgebuild.ops.linear.PackedLinear.
-    kernel_call`) and whose attention is the fused C++ decode step (no q/k norms; a
-    row-invariant plan: causal, cache written, <= 16 new rows per sequence). Per layer::
+    kernel_call`) and whose attention is the fused C++ decode step (with the layer's q/k
+    norms, if any; a row-invariant plan: causal, cache written, <= 16 new rows per sequence).
+    Per layer::
 
         qkv = qkv_op(x, *qkv_w, input_layernorm.weight, eps, False, None)
         a   = decode_step(qkv, cache, *step_args)   # RoPE, K/V write, attention (C++)
@@ -249,14 +250,15 @@ class FusedLayers:
 
     def __init__(self, layers: list[tuple]):
         # per layer: (qkv op, its lead args, input_layernorm, o op, lead, gate_up op, lead,
-        # post_attention_layernorm, down op, lead, (Hq, Hkv, D, sliding_window, scale))
+        # post_attention_layernorm, down op, lead,
+        # (Hq, Hkv, D, sliding_window, scale, (q_norm weight, k_norm weight, eps)))
         self.layers = layers
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> FusedLayers | None:
         """The program of ``layers`` (packed :class:`PreNormDecoderLayer` s), or None when one
-        of them has a part it cannot run (a linear off the fp32 / int4 kernels, q/k norms, an
-        attention that is not causal self-attention writing its cache)."""
+        of them has a part it cannot run (a linear off the fp32 / int4 kernels, an attention
+        that is not causal self-attention writing its cache)."""
         program = []
         for layer in layers:
             sa, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -265,17 +267,20 @@ class FusedLayers:
                 not isinstance(layer, PreNormDecoderLayer)
                 or spec is None
                 or not (spec.causal and spec.write_kv)
-                or getattr(sa, "q_norm", None) is not None
-                or getattr(sa, "k_norm", None) is not None
             ):
                 return None
+            qn, kn = getattr(sa, "q_norm", None), getattr(sa, "k_norm", None)
+            norms = (
+                None if qn is None else qn.weight, None if kn is None else kn.weight,
+                spec.rms_norm_eps,
+            )  # fmt: skip
             parts = [sa.packed_qkv, sa.packed_o, mlp.packed_gate_up, mlp.packed_down]
             bound = [None if p is None else p.kernel_call() for p in parts]
             if any(b is None for b in bound):
                 return None
             (qkv, qkv_w), (o, o_w), (gu, gu_w), (down, down_w) = bound
             heads = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window,
-                     spec.scale)  # fmt: skip
+                     spec.scale, norms)  # fmt: skip
             program.append(
                 (qkv.default, qkv_w, layer.input_layernorm, o.default, o_w, gu.default, gu_w,
                  layer.post_attention_layernorm, down.default, down_w, heads)
@@ -326,12 +331,12 @@ class FusedLayers:
         for i, (qkv, qkv_w, n1, o, o_w, gu, gu_w, n2, down, down_w, heads) in enumerate(
             self.layers
         ):
-            hq, hkv, d, window, scale = heads
+            hq, hkv, d, window, scale, norms = heads
             a = args.get(window)
             if a is None:
                 a = args[window] = fused_step_args(plan, batch.positions, rope_table, window)
             h = qkv(x, *qkv_w, n1.weight, n1.eps, False, None)
-            h = step(h.view(bsz, rows, hq + 2 * hkv, d), kv_caches[i], *a, hq, scale)
+            h = step(h.view(bsz, rows, hq + 2 * hkv, d), kv_caches[i], *a, hq, scale, *norms)
             h = o(h.view(bsz, rows, hq * d), *o_w, None, 0.0, False, x)
             x = down(gu(h, *gu_w, n2.weight, n2.eps, False, None), *down_w, None, 0.0, True, h)
             if i in wanted:

@@ -85,6 +85,7 @@ class DensePlan:
     page_table: Tensor | None = None  # long [B, max_pages] (decode / prefill plans: page gather)
     page_size: int = 0
     prefill: bool = False
+    table: Tensor | None = None  # long [B, max_pages] every plan's (the C++ block step reads it)
     _memo: dict = field(default_factory=dict)
 
     @classmethod
@@ -159,6 +160,7 @@ class DensePlan:
             write_kv, width, row_invariant, table if row_invariant or prefill else None,
             page_size,
             prefill,
+            table,
         )  # fmt: skip
 
     def mask_for(self, sliding_window: int) -> Tensor:
@@ -200,6 +202,14 @@ def paged_attention_planned(
         return _decode_step(
             heads, kv_cache, plan, positions, rope_cos_sin, q_norm_weight, k_norm_weight,
             hq, sliding_window, scale, rms_norm_eps,
+        )  # fmt: skip
+    if _kernel_takes(heads, kv_cache, plan) and (
+        (plan.row_invariant and not want_output)  # a draft's context update: write only
+        or (not plan.write_kv and want_output and rows <= ROW_INVARIANT_MAX_ROWS)  # a block
+    ):
+        return _kernel_step(
+            heads, kv_cache, plan, positions, rope_cos_sin, q_norm_weight, k_norm_weight,
+            hq, sliding_window, scale, rms_norm_eps, want_output,
         )  # fmt: skip
     k = heads[:, :, hq : hq + hkv]
     v = heads[:, :, hq + hkv :]
@@ -249,8 +259,10 @@ def paged_attention_planned(
     return out.to(qkv.dtype)
 
 
-# Layers without q/k norms run a decode step's RoPE, K/V write and attention as one C++ call
-# (attention_kernel.decode_step); False runs them as torch ops + decode_attention (same bits).
+# A decode / verify step's q/k norms, RoPE, K/V write and attention run as one C++ call per
+# layer (attention_kernel.decode_step), as do a DSpark draft's context update and block pass;
+# False runs them as torch ops (+ decode_attention for decode / verify rows: the same bits
+# without q/k norms).
 FUSED_STEP = True
 
 
@@ -293,16 +305,12 @@ def _decode_step(
     bsz, rows, width, d = heads.shape
     hkv = (width - hq) // 2
     dtype = heads.dtype
-    if (
-        FUSED_STEP
-        and q_norm_weight is None
-        and k_norm_weight is None
-        and heads.is_contiguous()
-        and attention_kernel.usable(dtype, kv_cache, d)
-    ):  # one C++ call: RoPE, the K/V write and the attention (the same bits as below)
+    if _kernel_takes(heads, kv_cache, plan):  # one C++ call: norms, RoPE, the K/V write and
+        # the attention (without norms the same bits as below; the norms' sum is fp64 there)
         return _fused_step(
-            heads, kv_cache, plan, positions, rope_cos_sin, hq, sliding_window, scale
-        )
+            heads, kv_cache, plan, positions, rope_cos_sin, hq, sliding_window, scale,
+            q_norm_weight, k_norm_weight, eps,
+        )  # fmt: skip
     if q_norm_weight is None and k_norm_weight is None:
         qk = heads[:, :, : hq + hkv]
     else:
@@ -336,23 +344,85 @@ def _decode_step(
     return _sdpa_rows(qk, kv_cache, plan, mask, out, hq, scale)
 
 
+def _kernel_takes(heads: Tensor, kv_cache: Tensor, plan: DensePlan) -> bool:
+    """Whether :func:`edgebuild.ops.attention_kernel.decode_step` runs this step here."""
+    return (
+        FUSED_STEP
+        and heads.is_contiguous()
+        and plan.table is not None
+        and attention_kernel.usable(heads.dtype, kv_cache, heads.shape[-1])
+    )
+
+
 def _fused_step(
     heads: Tensor, kv_cache: Tensor, plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor,
-    hq: int, sliding_window: int, scale: float,
+    hq: int, sliding_window: int, scale: float, q_norm_weight: Tensor | None = None,
+    k_norm_weight: Tensor | None = None, eps: float = 0.0,
 ) -> Tensor:  # fmt: skip
     """:func:`_decode_step` through :func:`edgebuild.ops.attention_kernel.decode_step`; the
     step's inputs (cos/sin rows, int64 indices, each row's mask) are built once per step and
     shared by the layers (:func:`fused_step_args`)."""
     bsz, rows, _, d = heads.shape
     args = fused_step_args(plan, positions, rope_cos_sin, sliding_window)
-    o = attention_kernel.decode_step(heads, kv_cache, *args, hq, scale)
-    wb, wi = args[2], args[3]
+    o = attention_kernel.decode_step(
+        heads, kv_cache, *args, hq, scale, q_norm_weight, k_norm_weight, eps
+    )
+    return _scatter_rows(o, heads, args[2], args[3], hq)
+
+
+def _scatter_rows(o: Tensor, heads: Tensor, wb: Tensor, wi: Tensor, hq: int) -> Tensor:
+    """[B, S, Hq * D] from the valid rows' [R, Hq * D] (padding rows zero)."""
+    bsz, rows, _, d = heads.shape
     if wb.numel() == bsz * rows:  # every row is valid (a lone sequence's decode / verify)
         return o.view(bsz, rows, hq * d)
     out = heads.new_zeros(bsz, rows, hq * d)
     if wb.numel():
         out[wb, wi] = o
     return out
+
+
+def _kernel_step(
+    heads: Tensor, kv_cache: Tensor, plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor,
+    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, hq: int, sliding_window: int,
+    scale: float, eps: float, want_output: bool,
+) -> Tensor | None:  # fmt: skip
+    """A DSpark draft's two other steps in one C++ call each
+    (:func:`edgebuild.ops.attention_kernel.decode_step`): its context update (the rows' K/V
+    normalized, rotated and written, nothing attended: ``want_output`` False), and its block
+    pass (non-causal, nothing written: each valid row attends its sequence's cached keys,
+    then every valid block row of its sequence). Rows are computed one at a time, so a row's
+    bits do not depend on the other rows or sequences of the pass."""
+    if not want_output:
+        args = fused_step_args(plan, positions, rope_cos_sin, sliding_window)
+        attention_kernel.decode_step(
+            heads, kv_cache, *args[:-1], None, hq, scale, q_norm_weight, k_norm_weight, eps
+        )
+        return None
+    key = ("block", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape), sliding_window)
+    args = plan._memo.get(key)
+    if args is None:
+        cos, sin = _cos_sin(plan, positions, rope_cos_sin)
+        wb, wi = plan.write_b.long().contiguous(), plan.write_i.long().contiguous()
+        mask = plan.mask_for(sliding_window)[wb, wi]  # [R, past_width + S]
+        width = plan.past_width
+        args = plan._memo[key] = (
+            cos, sin, wb, wi, plan.write_pages.long().contiguous(),
+            plan.write_offsets.long().contiguous(), plan.table.contiguous(),
+            mask[:, :width].contiguous(), mask[:, width:].contiguous(),
+        )  # fmt: skip
+    o = attention_kernel.decode_step(
+        heads, kv_cache, *args[:-1], hq, scale, q_norm_weight, k_norm_weight, eps, args[-1]
+    )
+    return _scatter_rows(o, heads, args[2], args[3], hq)
+
+
+def _cos_sin(plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 contiguous [B, S, rotary_dim / 2] cos and sin of the step's rows."""
+    if rope_cos_sin.shape[1]:
+        return tuple(t.squeeze(2).contiguous() for t in _rope_rows(plan, positions, rope_cos_sin))
+    bsz, rows = plan.valid_rows.shape
+    zero = torch.zeros(bsz, rows, 0)
+    return zero, zero
 
 
 def fused_step_args(
@@ -364,13 +434,7 @@ def fused_step_args(
     key = ("fused", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape), sliding_window)
     args = plan._memo.get(key)
     if args is None:
-        bsz, rows = plan.valid_rows.shape
-        if rope_cos_sin.shape[1]:
-            cos, sin = (
-                t.squeeze(2).contiguous() for t in _rope_rows(plan, positions, rope_cos_sin)
-            )
-        else:
-            cos = sin = torch.zeros(bsz, rows, 0)
+        cos, sin = _cos_sin(plan, positions, rope_cos_sin)
         wb, wi = plan.write_b.long().contiguous(), plan.write_i.long().contiguous()
         mask = plan.mask_for(sliding_window)[wb, wi].contiguous()  # [R, T]
         args = plan._memo[key] = (

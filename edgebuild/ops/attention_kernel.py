@@ -128,16 +128,23 @@ def decode_step(
     write_pages: torch.Tensor,
     write_offsets: torch.Tensor,
     page_table: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     hq: int,
     scale: float,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    new_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A layer's decode / verify attention (no q/k norms) in one call: RoPE on the valid rows'
-    q and k, their K/V written to the pool, then :func:`decode_attention`.
+    """A layer's decode / verify attention in one call: the valid rows' q and k normalized
+    (optional) and rotated, their K/V written to the pool, then :func:`decode_attention`.
 
     The rotation is :func:`edgebuild.ops.rope.rotate_with`'s, operation for operation (fp32,
-    each product and sum rounded on its own, one rounding to the model dtype), so the pool and
-    the output equal the torch ops' bit for bit (tests/test_attention_fast.py).
+    each product and sum rounded on its own, one rounding to the model dtype), so without
+    norms the pool and the output equal the torch ops' bit for bit
+    (tests/test_attention_fast.py). The norm is HF's per-head RMSNorm (``Qwen3RMSNorm``:
+    ``w * dtype(x * rsqrt(mean(x^2) + eps))``) with the sum of squares in fp64, as the fp32
+    linear kernels' norm; it may differ from torch's fp32 sum in the last bit.
 
     Args:
         heads: contiguous [B, S, Hq + 2 * Hkv, D] the projected rows, bf16 or fp32.
@@ -146,8 +153,15 @@ def decode_step(
             no rotation; channels past rotary_dim pass through).
         write_b, write_i: int64 [R] batch / row index of each valid row.
         write_pages, write_offsets: int64 [R] the pool page and slot of each valid row's K/V.
-        page_table: int64 [B, pages]; mask: bool [R, T] the key columns each row sees.
+        page_table: int64 [B, pages].
+        mask: bool [R, T] the pool's key columns each row sees; None: the K/V are written and
+            nothing is attended (a draft's context update), an empty [0, Hq * D] returned.
         hq: query heads; scale: the softmax scale.
+        q_norm, k_norm: [D] per-head RMSNorm weights (Qwen3, DSpark drafts), or None.
+        eps: the norms' epsilon.
+        new_mask: bool [R, S] (a non-causal draft block): nothing is written; row r attends
+            the pool's keys in ``mask`` and then the step's new rows s of its own sequence where
+            ``new_mask[r, s]`` (their k normalized and rotated, their v as projected).
 
     Returns:
         [R, Hq * D] in heads' dtype.
@@ -157,5 +171,5 @@ def decode_step(
     """
     return torch.ops.edgebuild_attn.decode_step(
         heads, cache, cos, sin, write_b, write_i, write_pages, write_offsets, page_table, mask,
-        hq, float(scale),
+        hq, float(scale), q_norm, k_norm, float(eps), new_mask,
     )  # fmt: skip

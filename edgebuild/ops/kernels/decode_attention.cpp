@@ -105,30 +105,30 @@ inline float exp_sum(float* s, int64_t n, float top) {
 }
 
 #ifdef EB_ATTN_AVX2
-// out[0 .. 8 NV) = sum_j p[j] * V_j[0 .. 8 NV), V_j = base + idx[j]: j in order, one fma each,
-// the NV accumulators held in registers (through memory, the loop's stores cost a third of
-// a verify pass's attention).
+// out[0 .. 8 NV) = sum_j p[j] * V_j[e0 .. e0 + 8 NV): j in order, one fma each, the NV
+// accumulators held in registers (through memory, the loop's stores cost a third of a verify
+// pass's attention).
 template <int NV>
-inline void weighted_sum(const float* base, const int64_t* idx, int64_t n, const float* p,
+inline void weighted_sum(const float* const* vrows, int64_t e0, int64_t n, const float* p,
                          float* out) {
   __m256 a[NV];
   for (int u = 0; u < NV; ++u) a[u] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = base + idx[j];
+    const float* v = vrows[j] + e0;
     const __m256 w = _mm256_set1_ps(p[j]);
     for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * u), a[u]);
   }
-  for (int u = 0; u < NV; ++u) _mm256_storeu_ps(out + 8 * u, a[u]);
+  for (int u = 0; u < NV; ++u) _mm256_storeu_ps(out + e0 + 8 * u, a[u]);
 }
 
 // weighted_sum over a head of D values (a multiple of 16), 64 at a time.
-inline void weighted_sum_head(const float* base, const int64_t* idx, int64_t n, const float* p,
-                              float* out, int64_t D) {
+inline void weighted_sum_head(const float* const* vrows, int64_t n, const float* p, float* out,
+                              int64_t D) {
   int64_t e = 0;
-  for (; e + 64 <= D; e += 64) weighted_sum<8>(base + e, idx, n, p, out + e);
-  if (D - e == 48) weighted_sum<6>(base + e, idx, n, p, out + e);
-  if (D - e == 32) weighted_sum<4>(base + e, idx, n, p, out + e);
-  if (D - e == 16) weighted_sum<2>(base + e, idx, n, p, out + e);
+  for (; e + 64 <= D; e += 64) weighted_sum<8>(vrows, e, n, p, out);
+  if (D - e == 48) weighted_sum<6>(vrows, e, n, p, out);
+  if (D - e == 32) weighted_sum<4>(vrows, e, n, p, out);
+  if (D - e == 16) weighted_sum<2>(vrows, e, n, p, out);
 }
 #endif
 
@@ -139,21 +139,33 @@ inline const float* row_f32(const c10::BFloat16* src, float* buf, int64_t d) {
   return buf;
 }
 
+// The step's own new rows as extra keys (a draft block: attended, never written to the pool):
+// row r also sees new row s of its sequence where new_mask[r, s]; K = new_k [B, S, Hkv, D]
+// (normalized and rotated), V = the row's v heads in `heads` [B, S, Hq + 2 Hkv, D].
+template <typename T>
+struct NewKeys {
+  const T* k = nullptr;
+  const T* heads = nullptr;
+  const bool* mask = nullptr;  // [R, S]
+  int64_t S = 0, W = 0, Hq = 0;
+};
+
 // One chunk of work item (row r, KV head kvh): the `group` query heads that share that KV
 // head read each K / V row once (widened once for bf16). Each head's arithmetic is the same,
-// in the same order, as a head computed alone: its scores `dot(q, k) * scale` in key order,
-// softmax from the running max, and the weighted sum of V in key order.
+// in the same order, as a head computed alone: its scores `dot(q, k) * scale` in key order
+// (the pool's keys, then the step's new rows), softmax from the running max, and the weighted
+// sum of V in key order.
 template <typename T>
 void run(const T* q, const T* cache, const int64_t* table, int64_t npages, const int64_t* row_b,
          const bool* mask, T* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t ps,
-         int64_t keys, float scale) {
-  const int64_t group = Hq / Hkv;
+         int64_t keys, float scale, const NewKeys<T>& nk = NewKeys<T>()) {
+  const int64_t group = Hq / Hkv, most = keys + nk.S;
   // cache [P, 2, Hkv, ps, D]
   const int64_t s_head = ps * D, s_kv = Hkv * s_head, s_page = 2 * s_kv;
   const int64_t per = std::max<int64_t>(1, R * Hkv / 8);
   eb_pool::parallel_for(R * Hkv, per, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(group * D), kf(D), acc(group * D), scores(group * keys), top(group);
-    std::vector<int64_t> idx(keys);
+    std::vector<float> qf(group * D), kf(D), acc(group * D), scores(group * most), top(group);
+    std::vector<const T*> vrow(most);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / Hkv, kvh = i % Hkv, b = row_b[r];
       for (int64_t g = 0; g < group; ++g)
@@ -162,18 +174,26 @@ void run(const T* q, const T* cache, const int64_t* table, int64_t npages, const
       const int64_t* pages = table + b * npages;
       int64_t n = 0;
       std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+      auto score = [&](const T* kp, const T* vp) {
+        const float* k = row_f32(kp, kf.data(), D);
+        for (int64_t g = 0; g < group; ++g) {
+          const float s = dot(qf.data() + g * D, k, D) * scale;
+          scores[g * most + n] = s;
+          top[g] = s > top[g] ? s : top[g];
+        }
+        vrow[n++] = vp;
+      };
       for (int64_t t = 0; t < keys; ++t) {
         if (!m[t]) continue;
         const int64_t page = t / ps;
         TORCH_CHECK(page < npages, "decode_attention: key ", t, " past the page table");
-        const int64_t at = pages[page] * s_page + kvh * s_head + (t % ps) * D;
-        const float* k = row_f32(cache + at, kf.data(), D);
-        for (int64_t g = 0; g < group; ++g) {
-          const float s = dot(qf.data() + g * D, k, D) * scale;
-          scores[g * keys + n] = s;
-          top[g] = s > top[g] ? s : top[g];
-        }
-        idx[n++] = at;
+        const T* kp = cache + pages[page] * s_page + kvh * s_head + (t % ps) * D;
+        score(kp, kp + s_kv);  // V: the K slot + one K/V half
+      }
+      for (int64_t j = 0; j < nk.S; ++j) {
+        if (!nk.mask[r * nk.S + j]) continue;
+        const int64_t row = b * nk.S + j;
+        score(nk.k + (row * Hkv + kvh) * D, nk.heads + (row * nk.W + nk.Hq + Hkv + kvh) * D);
       }
       if (n == 0) {  // a row that sees nothing (padding): zero, as the torch path gives it
         for (int64_t g = 0; g < group; ++g) {
@@ -183,25 +203,24 @@ void run(const T* q, const T* cache, const int64_t* table, int64_t npages, const
         continue;
       }
       for (int64_t g = 0; g < group; ++g) {
-        top[g] = 1.f / exp_sum(scores.data() + g * keys, n, top[g]);  // now the normalizer
+        top[g] = 1.f / exp_sum(scores.data() + g * most, n, top[g]);  // now the normalizer
       }
 #ifdef EB_ATTN_AVX2
       if constexpr (std::is_same_v<T, float>) {
         for (int64_t g = 0; g < group; ++g)
-          weighted_sum_head(cache + s_kv, idx.data(), n, scores.data() + g * keys,
-                            acc.data() + g * D, D);  // V: the K slot + one K/V half
+          weighted_sum_head(vrow.data(), n, scores.data() + g * most, acc.data() + g * D, D);
       } else
 #endif
       {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* v = row_f32(cache + idx[j] + s_kv, kf.data(), D);  // V: K slot + one half
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * keys + j];
-          float* a = acc.data() + g * D;
-          for (int64_t e = 0; e < D; ++e) a[e] += p * v[e];
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = row_f32(vrow[j], kf.data(), D);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * most + j];
+            float* a = acc.data() + g * D;
+            for (int64_t e = 0; e < D; ++e) a[e] += p * v[e];
+          }
         }
-      }
       }
       for (int64_t g = 0; g < group; ++g) {
         T* o = out + (r * Hq + kvh * group + g) * D;
@@ -250,11 +269,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
   return out.view({R, Hq * D});
 }
 
-// One decode / verify step's attention of a layer without q/k norms, in one call: the valid
-// rows' q and k rotated ("rotate half" RoPE, as edgebuild.ops.rope.rotate_with: fp32
-// x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product and sum rounded on its own, then one
-// rounding to the model dtype), k and v written to their cache slots, then `run` above.
-// What the torch ops of attention_fast._decode_step computed in ~10 calls per layer.
+// One decode / verify step's attention of a layer in one call: the valid rows' q and k
+// normalized (optional per-head RMSNorm, the q_norm / k_norm of Qwen3 and of DSpark drafts)
+// and rotated ("rotate half" RoPE, as edgebuild.ops.rope.rotate_with: fp32 x1 * cos - x2 * sin
+// and x2 * cos + x1 * sin, each product and sum rounded on its own, then one rounding to the
+// model dtype), k and v written to their cache slots, then `run` above. What the torch ops of
+// attention_fast._decode_step computed in ~10 calls per layer.
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotate_row(const T* x, const float* c,
                                                               const float* s, int64_t half,
@@ -268,30 +288,106 @@ __attribute__((optimize("fp-contract=off"))) void rotate_row(const T* x, const f
   for (int64_t j = 2 * half; j < D; ++j) out[j] = x[j];
 }
 
+// HF's RMSNorm of one head (Qwen3RMSNorm: fp32 variance, the normalized row rounded to the
+// model dtype, then times the weight): w * T(x * rsqrt(mean(x^2) + eps)); the sum of squares in
+// fp64, as the fp32 kernels' norm (f32_linear.cpp).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void norm_row(const T* x, const float* w, float eps,
+                                                            int64_t D, T* out) {
+  double ss = 0.0;
+  for (int64_t j = 0; j < D; ++j) ss += static_cast<double>(to_f32(x[j])) * to_f32(x[j]);
+  const float r = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(D)) + eps);
+  for (int64_t j = 0; j < D; ++j)
+    out[j] = static_cast<T>(w[j] * to_f32(static_cast<T>(to_f32(x[j]) * r)));
+}
+
+// The rows' q / k: (normalized, then) rotated into `out`.
+template <typename T>
+inline void prepare_row(const T* x, const float* norm_w, float eps, const float* c,
+                        const float* s, int64_t half, int64_t D, T* tmp, T* out) {
+  if (norm_w != nullptr) {
+    norm_row(x, norm_w, eps, D, tmp);
+    x = tmp;
+  }
+  rotate_row(x, c, s, half, D, out);
+}
+
+// Per valid row r: q heads into q [R, Hq, D] (unless `q` is null: a write-only context step);
+// k / v to the pool slot (write_pages[r], write_offsets[r]), or, with `new_k`, k into new_k
+// [B, S, Hkv, D] and nothing written (a draft block: its rows are keys of this step only).
 template <typename T>
 void step(const T* heads, T* cache, const float* cos, const float* sin, int64_t half,
           const int64_t* wb, const int64_t* wi, const int64_t* wpage, const int64_t* woff,
-          int64_t R, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t ps, T* q) {
+          int64_t R, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t ps, T* q,
+          const float* qn, const float* kn, float eps, T* new_k) {
   const int64_t W = Hq + 2 * Hkv, s_head = ps * D, s_kv = Hkv * s_head, s_page = 2 * s_kv;
+  std::vector<T> tmp(D);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t row = wb[r] * S + wi[r];
     const T* x = heads + row * W * D;
     const float* c = cos + row * half;
     const float* sn = sin + row * half;
-    for (int64_t h = 0; h < Hq; ++h) rotate_row(x + h * D, c, sn, half, D, q + (r * Hq + h) * D);
+    if (q != nullptr)
+      for (int64_t h = 0; h < Hq; ++h)
+        prepare_row(x + h * D, qn, eps, c, sn, half, D, tmp.data(), q + (r * Hq + h) * D);
+    if (new_k != nullptr) {
+      for (int64_t h = 0; h < Hkv; ++h)
+        prepare_row(x + (Hq + h) * D, kn, eps, c, sn, half, D, tmp.data(),
+                    new_k + (row * Hkv + h) * D);
+      continue;
+    }
     T* slot = cache + wpage[r] * s_page + woff[r] * D;
     for (int64_t h = 0; h < Hkv; ++h) {
-      rotate_row(x + (Hq + h) * D, c, sn, half, D, slot + h * s_head);
+      prepare_row(x + (Hq + h) * D, kn, eps, c, sn, half, D, tmp.data(), slot + h * s_head);
       std::memcpy(slot + s_kv + h * s_head, x + (Hq + Hkv + h) * D, D * sizeof(T));
     }
   }
+}
+
+// A norm weight as fp32 [D] (or null when absent).
+at::Tensor norm_weight(const c10::optional<at::Tensor>& w, int64_t D, const char* name) {
+  if (!w.has_value()) return at::Tensor();
+  TORCH_CHECK(w->dim() == 1 && w->size(0) == D, "decode_step: ", name, " must be [head_dim]");
+  return w->to(at::kFloat).contiguous();
+}
+
+template <typename T>
+void dispatch_step(const at::Tensor& heads, at::Tensor& cache, const at::Tensor& cos,
+                   const at::Tensor& sin, int64_t half, const int64_t* wb, const int64_t* wi,
+                   const int64_t* wp, const int64_t* wo, int64_t R, int64_t S, int64_t hq,
+                   int64_t Hkv, int64_t D, int64_t ps, at::Tensor& q, at::Tensor& out,
+                   const at::Tensor& page_table, const c10::optional<at::Tensor>& mask,
+                   double scale, const at::Tensor& qn, const at::Tensor& kn, double eps,
+                   const c10::optional<at::Tensor>& new_mask, at::Tensor& new_k) {
+  const bool attend = mask.has_value();
+  T* kp = new_k.defined() ? new_k.data_ptr<T>() : nullptr;
+  step<T>(heads.data_ptr<T>(), cache.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+          half, wb, wi, wp, wo, R, S, hq, Hkv, D, ps, attend ? q.data_ptr<T>() : nullptr,
+          qn.defined() ? qn.data_ptr<float>() : nullptr,
+          kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(eps), kp);
+  if (!attend) return;
+  NewKeys<T> nk;
+  if (kp != nullptr) {
+    nk.k = kp;
+    nk.heads = heads.data_ptr<T>();
+    nk.mask = new_mask->data_ptr<bool>();
+    nk.S = S;
+    nk.W = hq + 2 * Hkv;
+    nk.Hq = hq;
+  }
+  run<T>(q.data_ptr<T>(), cache.data_ptr<T>(), page_table.data_ptr<int64_t>(),
+         page_table.size(1), wb, mask->data_ptr<bool>(), out.data_ptr<T>(), R, hq, Hkv, D, ps,
+         mask->size(1), static_cast<float>(scale), nk);
 }
 
 at::Tensor decode_step(const at::Tensor& heads, at::Tensor cache, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& write_b,
                        const at::Tensor& write_i, const at::Tensor& write_pages,
                        const at::Tensor& write_offsets, const at::Tensor& page_table,
-                       const at::Tensor& mask, int64_t hq, double scale) {
+                       const c10::optional<at::Tensor>& mask, int64_t hq, double scale,
+                       const c10::optional<at::Tensor>& q_norm,
+                       const c10::optional<at::Tensor>& k_norm, double eps,
+                       const c10::optional<at::Tensor>& new_mask) {
   TORCH_CHECK(heads.dim() == 4 && heads.is_contiguous(),
               "decode_step: heads must be contiguous [B, S, Hq + 2 * Hkv, D]");
   const int64_t B = heads.size(0), S = heads.size(1), D = heads.size(3);
@@ -313,37 +409,37 @@ at::Tensor decode_step(const at::Tensor& heads, at::Tensor cache, const at::Tens
   TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong &&
                   page_table.is_contiguous() && page_table.size(0) == B,
               "decode_step: page_table must be int64 [B, pages]");
-  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == R && mask.scalar_type() == at::kBool &&
-                  mask.is_contiguous(),
+  TORCH_CHECK(!mask.has_value() || (mask->dim() == 2 && mask->size(0) == R &&
+                                    mask->scalar_type() == at::kBool && mask->is_contiguous()),
               "decode_step: mask must be bool [R, T]");
+  TORCH_CHECK(!new_mask.has_value() ||
+                  (mask.has_value() && new_mask->dim() == 2 && new_mask->size(0) == R &&
+                   new_mask->size(1) == S && new_mask->scalar_type() == at::kBool &&
+                   new_mask->is_contiguous()),
+              "decode_step: new_mask must be bool [R, S], with a mask");
   const int64_t half = cos.numel() / (B * S), ps = cache.size(3), P = cache.size(0);
   const int64_t *wb = write_b.data_ptr<int64_t>(), *wi = write_i.data_ptr<int64_t>(),
                 *wp = write_pages.data_ptr<int64_t>(), *wo = write_offsets.data_ptr<int64_t>();
+  const bool writes = !new_mask.has_value();
   for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(wb[r] >= 0 && wb[r] < B && wi[r] >= 0 && wi[r] < S && wp[r] >= 0 && wp[r] < P &&
-                    wo[r] >= 0 && wo[r] < ps,
+    TORCH_CHECK(wb[r] >= 0 && wb[r] < B && wi[r] >= 0 && wi[r] < S &&
+                    (!writes || (wp[r] >= 0 && wp[r] < P && wo[r] >= 0 && wo[r] < ps)),
                 "decode_step: row ", r, " writes outside the batch or the pool");
-  auto q = at::empty({R, hq, D}, heads.options());
-  auto out = at::empty({R, hq, D}, heads.options());
-  if (R == 0) return out.view({R, hq * D});
-  const int64_t keys = mask.size(1), npages = page_table.size(1);
+  const at::Tensor qn = norm_weight(q_norm, D, "q_norm"), kn = norm_weight(k_norm, D, "k_norm");
+  auto q = at::empty({mask.has_value() ? R : 0, hq, D}, heads.options());
+  auto out = at::empty({mask.has_value() ? R : 0, hq, D}, heads.options());
+  at::Tensor new_k = writes ? at::Tensor() : at::empty({B, S, Hkv, D}, heads.options());
+  if (R == 0) return out.view({out.size(0), hq * D});
   if (heads.scalar_type() == at::kBFloat16) {
-    using T = c10::BFloat16;
-    step<T>(heads.data_ptr<T>(), cache.data_ptr<T>(), cos.data_ptr<float>(),
-            sin.data_ptr<float>(), half, wb, wi, wp, wo, R, S, hq, Hkv, D, ps, q.data_ptr<T>());
-    run<T>(q.data_ptr<T>(), cache.data_ptr<T>(), page_table.data_ptr<int64_t>(), npages, wb,
-           mask.data_ptr<bool>(), out.data_ptr<T>(), R, hq, Hkv, D, ps, keys,
-           static_cast<float>(scale));
+    dispatch_step<c10::BFloat16>(heads, cache, cos, sin, half, wb, wi, wp, wo, R, S, hq, Hkv, D,
+                                 ps, q, out, page_table, mask, scale, qn, kn, eps, new_mask,
+                                 new_k);
   } else {
     TORCH_CHECK(heads.scalar_type() == at::kFloat, "decode_step: bf16 or fp32 only");
-    step<float>(heads.data_ptr<float>(), cache.data_ptr<float>(), cos.data_ptr<float>(),
-                sin.data_ptr<float>(), half, wb, wi, wp, wo, R, S, hq, Hkv, D, ps,
-                q.data_ptr<float>());
-    run<float>(q.data_ptr<float>(), cache.data_ptr<float>(), page_table.data_ptr<int64_t>(),
-               npages, wb, mask.data_ptr<bool>(), out.data_ptr<float>(), R, hq, Hkv, D, ps, keys,
-               static_cast<float>(scale));
+    dispatch_step<float>(heads, cache, cos, sin, half, wb, wi, wp, wo, R, S, hq, Hkv, D, ps, q,
+                         out, page_table, mask, scale, qn, kn, eps, new_mask, new_k);
   }
-  return out.view({R, hq * D});
+  return out.view({out.size(0), hq * D});
 }
 
 }  // namespace
@@ -353,7 +449,8 @@ TORCH_LIBRARY(edgebuild_attn, m) {
         "float scale) -> Tensor");
   m.def("decode_step(Tensor heads, Tensor(a!) cache, Tensor cos, Tensor sin, Tensor write_b, "
         "Tensor write_i, Tensor write_pages, Tensor write_offsets, Tensor page_table, "
-        "Tensor mask, int hq, float scale) -> Tensor");
+        "Tensor? mask, int hq, float scale, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float eps=0., Tensor? new_mask=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) {
   m.impl("decode_attention", &decode_attention);
