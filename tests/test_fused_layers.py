@@ -13,6 +13,7 @@ import torch
 from tiny_checkpoints import write_tiny_checkpoint
 
 from edgebuild.checkpoint.source import WeightSource
+from edgebuild.models import common
 from edgebuild.models.common import FusedLayers
 from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.ops import attention_kernel, f32_linear
@@ -66,7 +67,9 @@ def steps(target: TorchTarget) -> list[torch.Tensor]:
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("quant", [None, "int4"])
-def test_fused_layers_equal_the_modules_bit_for_bit(tmp_path, monkeypatch, arch, quant):
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp-loop", "python-loop"])
+def test_fused_layers_equal_the_modules_bit_for_bit(tmp_path, monkeypatch, arch, quant, cpp):
+    monkeypatch.setattr(common, "CPP_LAYERS", cpp)
     ckpt = write_tiny_checkpoint(tmp_path / arch, arch, seed=3, sharpen=4.0, **FIELDS)
     ran = []
     run = FusedLayers.run
@@ -79,7 +82,7 @@ def test_fused_layers_equal_the_modules_bit_for_bit(tmp_path, monkeypatch, arch,
     got = {}
     for fused in (True, False):
         model = LlamaForCausalLM.from_source(WeightSource(ckpt)).pack_for_cpu(quant)
-        assert model.fused_layers is not None
+        assert model.fused_layers is not None and model.fused_layers.flat is not None
         if not fused:
             model.fused_layers = None
         got[fused] = steps(TorchTarget(model, max_kv_rows=512, page_size=8))

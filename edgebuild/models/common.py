@@ -226,6 +226,11 @@ class PreNormDecoderLayer(nn.Module):
         self.mlp.pack_for_cpu(quant)
 
 
+# FusedLayers runs its loop as one C++ call (edgebuild_attn::decoder_layers) where it can;
+# False keeps the Python loop over the same op calls (same bits, tests/test_fused_layers.py).
+CPP_LAYERS = True
+
+
 class FusedLayers:
     """A decode / verify step's pre-norm decoder layers as flat kernel calls.
 
@@ -253,6 +258,31 @@ class FusedLayers:
         # post_attention_layernorm, down op, lead,
         # (Hq, Hkv, D, sliding_window, scale, (q_norm weight, k_norm weight, eps)))
         self.layers = layers
+        self.flat = self._flat(layers)  # decoder_layers' arguments, or None
+
+    @staticmethod
+    def _flat(layers: list[tuple]) -> dict | None:
+        """The per-layer lists of ``edgebuild_attn::decoder_layers`` (the whole loop in one C++
+        call, the same op calls), when every layer shares its attention's heads, window, scale
+        and q/k-norm eps (one set of step inputs); else None (the Python loop runs)."""
+        kinds = {"f32_linear": 0, "int4_f32_linear": 1, "int4_a8_linear": 2}
+        shared = {(h[:5], h[5][2]) for *_, h in layers}
+        if len(shared) != 1:
+            return None
+        flat = {k: [] for k in ("w", "sl", "bias", "n", "kind", "norm", "eps", "qk_norm")}
+        empty = torch.empty(0)
+        for qkv, qkv_w, n1, o, o_w, gu, gu_w, n2, down, down_w, heads in layers:
+            for op, lead in ((qkv, qkv_w), (o, o_w), (gu, gu_w), (down, down_w)):
+                kind = kinds[op.name().split("::")[1].split(".")[0]]
+                w, sl, bias, n = (lead[0], empty, *lead[1:]) if kind == 0 else lead
+                for key, v in zip(("w", "sl", "bias", "n", "kind"), (w, sl, bias, n, kind),
+                                  strict=True):  # fmt: skip
+                    flat[key].append(v)
+            flat["norm"] += [n1.weight, n2.weight]
+            flat["eps"] += [float(n1.eps), float(n2.eps)]
+            flat["qk_norm"] += list(heads[5][:2])
+        flat["qk_eps"] = float(layers[0][-1][5][2])
+        return flat
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> FusedLayers | None:
@@ -326,6 +356,18 @@ class FusedLayers:
         from edgebuild.ops.attention_fast import fused_step_args
 
         bsz, rows = x.shape[:2]
+        if self.flat is not None and CPP_LAYERS:  # the loop below in one C++ call
+            f = self.flat
+            hq, hkv, _, window, scale, _ = self.layers[0][-1]
+            order = sorted(i for i in wanted if 0 <= i < len(self.layers))
+            outs = torch.ops.edgebuild_attn.decoder_layers(
+                x, kv_caches, f["w"], f["sl"], f["bias"], f["n"], f["kind"], f["norm"],
+                f["eps"], f["qk_norm"], f["qk_eps"],
+                *fused_step_args(plan, batch.positions, rope_table, window), hq, hkv, scale,
+                order,
+            )  # fmt: skip
+            taps.update(zip(order, outs[1:], strict=True))
+            return outs[0]
         step = torch.ops.edgebuild_attn.decode_step.default  # attention_kernel.decode_step
         args: dict[int, tuple] = {}
         for i, (qkv, qkv_w, n1, o, o_w, gu, gu_w, n2, down, down_w, heads) in enumerate(

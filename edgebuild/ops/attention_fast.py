@@ -203,14 +203,11 @@ def paged_attention_planned(
             heads, kv_cache, plan, positions, rope_cos_sin, q_norm_weight, k_norm_weight,
             hq, sliding_window, scale, rms_norm_eps,
         )  # fmt: skip
-    if _kernel_takes(heads, kv_cache, plan) and (
-        (plan.row_invariant and not want_output)  # a draft's context update: write only
-        or (not plan.write_kv and want_output and rows <= ROW_INVARIANT_MAX_ROWS)  # a block
-    ):
+    if _draft_step_here(heads, kv_cache, plan, want_output):  # a DSpark draft's, in C++
+        norms = (q_norm_weight, k_norm_weight)
         return _kernel_step(
-            heads, kv_cache, plan, positions, rope_cos_sin, q_norm_weight, k_norm_weight,
-            hq, sliding_window, scale, rms_norm_eps, want_output,
-        )  # fmt: skip
+            heads, kv_cache, plan, positions, rope_cos_sin, *norms, spec, want_output
+        )
     k = heads[:, :, hq : hq + hkv]
     v = heads[:, :, hq + hkv :]
     if k_norm_weight is not None:
@@ -354,6 +351,15 @@ def _kernel_takes(heads: Tensor, kv_cache: Tensor, plan: DensePlan) -> bool:
     )
 
 
+def _draft_step_here(heads: Tensor, kv_cache: Tensor, plan: DensePlan, want_output: bool) -> bool:
+    """Whether :func:`_kernel_step` runs this step: a write-only context update of few rows
+    (row-invariant plan, no output) or a non-causal block that writes nothing."""
+    return _kernel_takes(heads, kv_cache, plan) and (
+        (plan.row_invariant and not want_output)
+        or (not plan.write_kv and want_output and heads.shape[1] <= ROW_INVARIANT_MAX_ROWS)
+    )
+
+
 def _fused_step(
     heads: Tensor, kv_cache: Tensor, plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor,
     hq: int, sliding_window: int, scale: float, q_norm_weight: Tensor | None = None,
@@ -383,8 +389,8 @@ def _scatter_rows(o: Tensor, heads: Tensor, wb: Tensor, wi: Tensor, hq: int) -> 
 
 def _kernel_step(
     heads: Tensor, kv_cache: Tensor, plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor,
-    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, hq: int, sliding_window: int,
-    scale: float, eps: float, want_output: bool,
+    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, spec: AttentionSpec,
+    want_output: bool,
 ) -> Tensor | None:  # fmt: skip
     """A DSpark draft's two other steps in one C++ call each
     (:func:`edgebuild.ops.attention_kernel.decode_step`): its context update (the rows' K/V
@@ -392,6 +398,9 @@ def _kernel_step(
     pass (non-causal, nothing written: each valid row attends its sequence's cached keys,
     then every valid block row of its sequence). Rows are computed one at a time, so a row's
     bits do not depend on the other rows or sequences of the pass."""
+    hq, sliding_window, scale, eps = (
+        spec.num_q_heads, spec.sliding_window, spec.scale, spec.rms_norm_eps
+    )  # fmt: skip
     if not want_output:
         args = fused_step_args(plan, positions, rope_cos_sin, sliding_window)
         attention_kernel.decode_step(

@@ -87,6 +87,9 @@ def verify_batch(
     """Accept, resample or bonus for every request (module docstring); one Verdict each."""
     counts = [len(p) for p in proposals]
     batch = len(proposals)
+    if not any(counts) and all(p.greedy for p in params):  # a draft-less greedy step: the
+        # argmax of each anchor row, as below (first index on ties), without the batch ops
+        return [Verdict(0, int(lg[0].argmax())) for lg in logits]
     flat = torch.cat([lg.float() for lg in logits]) if batch > 1 else logits[0].float()
     cu = torch.tensor([n + 1 for n in counts]).cumsum(0)  # cu_num_draft_tokens, bonus rows in
     starts = cu - torch.tensor(counts) - 1  # row of each request's anchor

@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -442,6 +443,88 @@ at::Tensor decode_step(const at::Tensor& heads, at::Tensor cache, const at::Tens
   return out.view({out.size(0), hq * D});
 }
 
+// A decode / verify step's decoder layers in one call (edgebuild.models.common.FusedLayers):
+// per layer the four linear calls of edgebuild_f32 (through the dispatcher, the ops as Python
+// calls them) and this file's decode_step, in the modules' order with the modules' inputs, so
+// the same bits as ~5 Python op calls a layer (what goes is ~10 us of Python per layer).
+// Linear j of layer i is entry 4 i + j of w / sl / bias / n / kind (kind 0: f32_linear(x, w),
+// 1: int4_f32_linear(x, w, sl), 2: int4_a8_linear(x, w, sl)); norm / eps 2 i, 2 i + 1 are the
+// layer's input and post-attention RMSNorms, qk_norm 2 i, 2 i + 1 its q / k norms (or none).
+// The step's attention inputs (cos .. mask) and heads are shared by every layer. Returns the
+// last layer's output, then the outputs of the layers in `taps` (ascending).
+using F32Op = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                         int64_t, const c10::optional<at::Tensor>&, double, bool,
+                         const c10::optional<at::Tensor>&);
+using Int4Op = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const c10::optional<at::Tensor>&, int64_t,
+                          const c10::optional<at::Tensor>&, double, bool,
+                          const c10::optional<at::Tensor>&);
+
+struct LinearOps {
+  c10::TypedOperatorHandle<F32Op> f32;
+  c10::TypedOperatorHandle<Int4Op> int4_f32, int4_a8;
+};
+
+const LinearOps& linear_ops() {  // edgebuild_f32 is loaded: FusedLayers exists only then
+  static const LinearOps ops{
+      c10::Dispatcher::singleton().findSchemaOrThrow("edgebuild_f32::f32_linear", "")
+          .typed<F32Op>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("edgebuild_f32::int4_f32_linear", "")
+          .typed<Int4Op>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("edgebuild_f32::int4_a8_linear", "")
+          .typed<Int4Op>()};
+  return ops;
+}
+
+std::vector<at::Tensor> decoder_layers(
+    const at::Tensor& x_in, at::TensorList caches, at::TensorList w, at::TensorList sl,
+    const c10::List<c10::optional<at::Tensor>>& bias, at::IntArrayRef n, at::IntArrayRef kind,
+    at::TensorList norm, at::ArrayRef<double> eps,
+    const c10::List<c10::optional<at::Tensor>>& qk_norm, double qk_eps, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& write_b, const at::Tensor& write_i,
+    const at::Tensor& write_pages, const at::Tensor& write_offsets, const at::Tensor& table,
+    const at::Tensor& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef taps) {
+  const int64_t L = caches.size();
+  TORCH_CHECK(x_in.dim() == 3 && L > 0 && (int64_t)w.size() == 4 * L &&
+                  (int64_t)sl.size() == 4 * L && (int64_t)bias.size() == 4 * L &&
+                  (int64_t)n.size() == 4 * L && (int64_t)kind.size() == 4 * L &&
+                  (int64_t)norm.size() == 2 * L && (int64_t)eps.size() == 2 * L &&
+                  (int64_t)qk_norm.size() == 2 * L,
+              "decoder_layers: x must be [B, S, d]; 4 linears, 2 norms and 2 q/k norms a layer");
+  const int64_t B = x_in.size(0), S = x_in.size(1), D = caches[0].size(4);
+  const LinearOps& ops = linear_ops();
+  auto linear = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& nw,
+                    double e, bool swiglu, const c10::optional<at::Tensor>& residual) {
+    const c10::optional<at::Tensor> b = bias.get(j);
+    switch (kind[j]) {
+      case 0: return ops.f32.call(x, w[j], b, n[j], nw, e, swiglu, residual);
+      case 1: return ops.int4_f32.call(x, w[j], sl[j], b, n[j], nw, e, swiglu, residual);
+      case 2: return ops.int4_a8.call(x, w[j], sl[j], b, n[j], nw, e, swiglu, residual);
+    }
+    TORCH_CHECK(false, "decoder_layers: linear kind ", kind[j], " (0, 1 or 2)");
+  };
+  const c10::optional<at::Tensor> none;
+  std::vector<at::Tensor> out{x_in};
+  at::Tensor x = x_in;
+  size_t next_tap = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor qkv = linear(4 * i, x, norm[2 * i], eps[2 * i], false, none);
+    const at::Tensor a = decode_step(qkv.view({B, S, hq + 2 * hkv, D}), caches[i], cos, sin,
+                                     write_b, write_i, write_pages, write_offsets, table, mask,
+                                     hq, scale, qk_norm.get(2 * i), qk_norm.get(2 * i + 1),
+                                     qk_eps, none);
+    const at::Tensor h = linear(4 * i + 1, a.view({B, S, hq * D}), none, 0.0, false, x);
+    const at::Tensor gu = linear(4 * i + 2, h, norm[2 * i + 1], eps[2 * i + 1], false, none);
+    x = linear(4 * i + 3, gu, none, 0.0, true, h);
+    if (next_tap < taps.size() && taps[next_tap] == i) {
+      out.push_back(x);
+      ++next_tap;
+    }
+  }
+  out[0] = x;
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgebuild_attn, m) {
@@ -451,8 +534,14 @@ TORCH_LIBRARY(edgebuild_attn, m) {
         "Tensor write_i, Tensor write_pages, Tensor write_offsets, Tensor page_table, "
         "Tensor? mask, int hq, float scale, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float eps=0., Tensor? new_mask=None) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor(a!)[] caches, Tensor[] w, Tensor[] sl, Tensor?[] bias, "
+        "int[] n, int[] kind, Tensor[] norm, float[] eps, Tensor?[] qk_norm, float qk_eps, "
+        "Tensor cos, Tensor sin, Tensor write_b, Tensor write_i, Tensor write_pages, "
+        "Tensor write_offsets, Tensor table, Tensor mask, int hq, int hkv, float scale, "
+        "int[] taps) -> Tensor[]");
 }
 TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_step", &decode_step);
+  m.impl("decoder_layers", &decoder_layers);
 }
