@@ -18,6 +18,7 @@ the block's rows are never written, so rolling a block back is nothing to undo a
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -48,6 +49,27 @@ OOM-killed on a 24 GB host. Above this the same walk runs token by token
 def lattice_bytes(batch: int, n: int, k: int, hidden: int) -> int:
     """Bytes of the fp32 tensors of a ``[batch, n]`` top-``k`` lattice (``hidden`` = d)."""
     return 4 * batch * n * k * (k + hidden)
+
+
+ONE_THREAD_ROWS = 16  # a context update of at most this many rows runs its torch ops alone
+
+
+@contextmanager
+def one_thread():
+    """torch's intra-op threads set to 1 inside (restored after): for the draft's small torch
+    ops (top-k over the vocabulary, the lattice's matmuls, the context's fc). At two threads
+    their OpenMP regions left a spinning worker on the core edgebuild's kernel pool needed
+    (and the other way round): a draft pass's int4 linears took 2.5x, top-k 3x their one-thread
+    time (bench/README.md)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class TorchDraft:
@@ -168,7 +190,8 @@ class TorchDraft:
             return
         lengths = [int(f.shape[0]) for f in features]
         batch = make_batch(self.allocator, seqs, lengths)
-        self.model.context_update(pad_rows(features, 0), self.pools, batch)
+        with one_thread() if sum(lengths) <= ONE_THREAD_ROWS else nullcontext():
+            self.model.context_update(pad_rows(features, 0), self.pools, batch)
         for s, n in zip(seqs, lengths, strict=True):
             self.allocator.advance(s, n)
 
@@ -204,7 +227,8 @@ class TorchDraft:
             return [Proposal([], torch.zeros(0, 1), torch.ones(0), None) for _ in seqs]
         h = h[:, :n_max]
         base = self.model.base_logits(h)  # fp32 [B, n, V]
-        return self.walk(h, base, anchors, num_tokens, params, generators, constraints)
+        with one_thread():
+            return self.walk(h, base, anchors, num_tokens, params, generators, constraints)
 
     def walk(
         self,
