@@ -31,6 +31,31 @@ def setup(past, lengths, hq, hkv, seed=0, num_pages=64):
     return qkv, cache, table, positions
 
 
+def both_paths(
+    qkv, cache, table, past, lengths, positions, table_cs, qn, kn, hq, hkv, causal, write_kv,
+    window, want_output=True,
+):  # fmt: skip
+    """(reference output, its pool, planned output, its pool) of one attention call, each on
+    its own copy of ``cache``: the golden op and :func:`paged_attention_planned`."""
+    past_t, len_t = torch.tensor(past, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
+    ref_cache = cache.clone()
+    ref = paged_attention(
+        qkv, ref_cache, table, past_t, len_t, positions, table_cs, qn, kn, None,
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, rotary_dim=D, causal=causal,
+        write_kv=write_kv, sliding_window=window, scale=D**-0.5, page_size=PAGE,
+    )  # fmt: skip
+    plan = DensePlan.build(table, past_t, len_t, qkv.shape[1], PAGE, causal, write_kv)
+    spec = AttentionSpec(
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, causal=causal, write_kv=write_kv,
+        sliding_window=window, scale=D**-0.5,
+    )  # fmt: skip
+    fast_cache = cache.clone()
+    out = paged_attention_planned(
+        qkv, fast_cache, plan, positions, table_cs, qn, kn, spec, want_output
+    )
+    return ref, ref_cache, out, fast_cache
+
+
 @pytest.mark.parametrize(
     "past,lengths,causal,write_kv,window,hq,hkv,qk_norm",
     [
@@ -62,21 +87,11 @@ def test_planned_attention_equals_reference(
     g = torch.Generator().manual_seed(1)
     qn = 1 + 0.1 * torch.randn(D, generator=g) if qk_norm else None
     kn = 1 + 0.1 * torch.randn(D, generator=g) if qk_norm else None
-    past_t = torch.tensor(past, dtype=torch.int32)
-    len_t = torch.tensor(lengths, dtype=torch.int32)
-    ref_cache = cache.clone()
-    ref = paged_attention(
-        qkv, ref_cache, table, past_t, len_t, positions, table_cs, qn, kn, None,
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, rotary_dim=D, causal=causal,
-        write_kv=write_kv, sliding_window=window, scale=D**-0.5, page_size=PAGE,
+    steps = both_paths(
+        qkv, cache, table, past, lengths, positions, table_cs, qn, kn, hq, hkv, causal, write_kv,
+        window,
     )  # fmt: skip
-    plan = DensePlan.build(table, past_t, len_t, qkv.shape[1], PAGE, causal, write_kv)
-    fast_cache = cache.clone()
-    spec = AttentionSpec(
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, causal=causal, write_kv=write_kv,
-        sliding_window=window, scale=D**-0.5,
-    )  # fmt: skip
-    out = paged_attention_planned(qkv, fast_cache, plan, positions, table_cs, qn, kn, spec)
+    ref, ref_cache, out, fast_cache = steps
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_cache, ref_cache, atol=1e-6, rtol=0)
     if not write_kv:
@@ -260,23 +275,11 @@ def test_draft_steps_run_the_kernel_and_equal_the_reference(
     table_cs = rope_cos_sin_table(D, 128, RopeScaling(rope_theta=1e4))
     g = torch.Generator().manual_seed(2)
     qn, kn = 1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
-    past_t, len_t = torch.tensor(past, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
     causal = write_kv = not want_output
-    ref_cache = cache.clone()
-    ref = paged_attention(
-        qkv, ref_cache, table, past_t, len_t, positions, table_cs, qn, kn, None,
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, rotary_dim=D, causal=causal,
-        write_kv=write_kv, sliding_window=window, scale=D**-0.5, page_size=PAGE,
+    ref, ref_cache, out, fast_cache = both_paths(
+        qkv, cache, table, past, lengths, positions, table_cs, qn, kn, hq, hkv, causal, write_kv,
+        window, want_output,
     )  # fmt: skip
-    plan = DensePlan.build(table, past_t, len_t, qkv.shape[1], PAGE, causal, write_kv)
-    spec = AttentionSpec(
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, causal=causal, write_kv=write_kv,
-        sliding_window=window, scale=D**-0.5,
-    )  # fmt: skip
-    fast_cache = cache.clone()
-    out = paged_attention_planned(
-        qkv, fast_cache, plan, positions, table_cs, qn, kn, spec, want_output
-    )
     assert calls == [not want_output]
     torch.testing.assert_close(fast_cache, ref_cache, atol=1e-6, rtol=0)
     if want_output:
