@@ -287,3 +287,31 @@ def test_draft_steps_run_the_kernel_and_equal_the_reference(
         assert torch.equal(fast_cache, cache)
     else:
         assert out is None and not torch.equal(fast_cache, cache)
+
+
+@pytest.mark.parametrize(
+    "past,lengths,causal,write_kv",
+    [([13, 4], [1, 1], True, True), ([10, 3], [8, 6], True, True), ([11, 6], [7, 3], False, False)],
+    ids=["decode", "verify", "draft-block"],
+)
+def test_bf16_steps_with_qk_norms_follow_the_fp32_reference(past, lengths, causal, write_kv):
+    """The kernel's bf16 path with q/k norms (Qwen3 targets and DSpark drafts on bf16 hosts):
+    within bf16 rounding of the golden op run in fp32 on the same (bf16-representable) inputs."""
+    if not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    hq, hkv = 4, 2
+    qkv, cache, table, positions = setup(past, lengths, hq, hkv, seed=7)
+    qkv, cache = qkv.bfloat16().float(), cache.bfloat16().float()  # exact in both dtypes
+    table_cs = rope_cos_sin_table(D, 128, RopeScaling(rope_theta=1e4))
+    g = torch.Generator().manual_seed(3)
+    qn = (1 + 0.1 * torch.randn(D, generator=g)).bfloat16().float()
+    kn = (1 + 0.1 * torch.randn(D, generator=g)).bfloat16().float()
+    args = (table, past, lengths, positions, table_cs)
+    ref, ref_cache, _, _ = both_paths(qkv, cache, *args, qn, kn, hq, hkv, causal, write_kv, 0)
+    _, _, out, bf_cache = both_paths(
+        qkv.bfloat16(), cache.bfloat16(), *args, qn.bfloat16(), kn.bfloat16(), hq, hkv, causal,
+        write_kv, 0,
+    )  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(bf_cache.float(), ref_cache, atol=3e-2, rtol=3e-2)
