@@ -13,7 +13,7 @@ from edgebuild.ops.rope import RopeScaling, rope_cos_sin_table
 D, PAGE = 16, 4  # D a multiple of 16: the C++ decode kernel takes these calls
 
 
-def setup(past, lengths, hq, hkv, seed=0, num_pages=64):
+def setup(past, lengths, hq, hkv, seed=0, num_pages=64, d=D):
     g = torch.Generator().manual_seed(seed)
     bsz, rows = len(past), max(max(lengths), 1)
     perm = torch.randperm(num_pages, generator=g)
@@ -23,8 +23,8 @@ def setup(past, lengths, hq, hkv, seed=0, num_pages=64):
     for b, n in enumerate(need):
         table[b, :n] = perm[used : used + n].to(torch.int32)
         used += n
-    cache = torch.randn(num_pages, 2, hkv, PAGE, D, generator=g)
-    qkv = torch.randn(bsz, rows, (hq + 2 * hkv) * D, generator=g)
+    cache = torch.randn(num_pages, 2, hkv, PAGE, d, generator=g)
+    qkv = torch.randn(bsz, rows, (hq + 2 * hkv) * d, generator=g)
     positions = torch.tensor(past, dtype=torch.int32)[:, None] + torch.arange(
         rows, dtype=torch.int32
     )
@@ -33,7 +33,7 @@ def setup(past, lengths, hq, hkv, seed=0, num_pages=64):
 
 def both_paths(
     qkv, cache, table, past, lengths, positions, table_cs, qn, kn, hq, hkv, causal, write_kv,
-    window, want_output=True,
+    window, want_output=True, d=D,
 ):  # fmt: skip
     """(reference output, its pool, planned output, its pool) of one attention call, each on
     its own copy of ``cache``: the golden op and :func:`paged_attention_planned`."""
@@ -41,13 +41,13 @@ def both_paths(
     ref_cache = cache.clone()
     ref = paged_attention(
         qkv, ref_cache, table, past_t, len_t, positions, table_cs, qn, kn, None,
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, rotary_dim=D, causal=causal,
-        write_kv=write_kv, sliding_window=window, scale=D**-0.5, page_size=PAGE,
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rotary_dim=d, causal=causal,
+        write_kv=write_kv, sliding_window=window, scale=d**-0.5, page_size=PAGE,
     )  # fmt: skip
     plan = DensePlan.build(table, past_t, len_t, qkv.shape[1], PAGE, causal, write_kv)
     spec = AttentionSpec(
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=D, causal=causal, write_kv=write_kv,
-        sliding_window=window, scale=D**-0.5,
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, causal=causal, write_kv=write_kv,
+        sliding_window=window, scale=d**-0.5,
     )  # fmt: skip
     fast_cache = cache.clone()
     out = paged_attention_planned(
@@ -247,15 +247,18 @@ def test_kernel_thread_pool_rethrows_a_chunk_error_and_keeps_working():
 
 
 @pytest.mark.parametrize(
-    "past,lengths,window,want_output",
+    "past,lengths,window,want_output,d",
     [
-        ([5, 0], [4, 6], 0, False),  # a draft's context update: K/V written, nothing attended
-        ([11, 6], [7, 3], 0, True),  # a draft's non-causal block, unequal rows
-        ([20, 9], [7, 7], 6, True),  # a windowed draft's block
+        ([5, 0], [4, 6], 0, False, 16),  # a draft's context update: K/V written, nothing attended
+        ([3, 0], [40, 6], 0, False, 64),  # a prompt's update (> 16 rows): the kernel still
+        ([11, 6], [7, 3], 0, True, 16),  # a draft's non-causal block, unequal rows
+        ([11, 6], [7, 3], 0, True, 64),  # SmolLM2's head size (the 64-wide weighted sum)
+        ([9, 30], [7, 7], 0, True, 48),  # the 48-wide tail
+        ([20, 9], [7, 7], 6, True, 80),  # a windowed draft's block; 64 + 16 wide
     ],
 )
 def test_draft_steps_run_the_kernel_and_equal_the_reference(
-    past, lengths, window, want_output, monkeypatch
+    past, lengths, window, want_output, d, monkeypatch
 ):
     """A DSpark draft's context update and block pass (q/k norms, GQA) take one C++ call a
     layer (counted), and equal the golden op: the output, and the pool (written by the
@@ -271,14 +274,14 @@ def test_draft_steps_run_the_kernel_and_equal_the_reference(
 
     monkeypatch.setattr(attention_kernel, "decode_step", counted)
     hq, hkv = 4, 2
-    qkv, cache, table, positions = setup(past, lengths, hq, hkv, seed=5)
-    table_cs = rope_cos_sin_table(D, 128, RopeScaling(rope_theta=1e4))
+    qkv, cache, table, positions = setup(past, lengths, hq, hkv, seed=5, d=d)
+    table_cs = rope_cos_sin_table(d, 128, RopeScaling(rope_theta=1e4))
     g = torch.Generator().manual_seed(2)
-    qn, kn = 1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
+    qn, kn = 1 + 0.1 * torch.randn(d, generator=g), 1 + 0.1 * torch.randn(d, generator=g)
     causal = write_kv = not want_output
     ref, ref_cache, out, fast_cache = both_paths(
         qkv, cache, table, past, lengths, positions, table_cs, qn, kn, hq, hkv, causal, write_kv,
-        window, want_output,
+        window, want_output, d,
     )  # fmt: skip
     assert calls == [not want_output]
     torch.testing.assert_close(fast_cache, ref_cache, atol=1e-6, rtol=0)
@@ -315,3 +318,21 @@ def test_bf16_steps_with_qk_norms_follow_the_fp32_reference(past, lengths, causa
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(bf_cache.float(), ref_cache, atol=3e-2, rtol=3e-2)
+
+
+def test_a_page_id_outside_the_pool_is_an_error_not_a_read():
+    """A page table entry past the pool (or negative) under a visible key raises, naming it."""
+    if not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(4, 2, 2, PAGE, D, generator=g)
+    q = torch.randn(1, 4, D, generator=g)
+    mask = torch.ones(1, 2 * PAGE, dtype=torch.bool)
+    for bad in (4, 1 << 40, -1):
+        table = torch.tensor([[0, bad]])
+        with pytest.raises(RuntimeError, match=f"page {bad} of key {PAGE} is outside the pool"):
+            attention_kernel.decode_attention(q, cache, table, torch.zeros(1), mask, 0.25)
+    ok = attention_kernel.decode_attention(
+        q, cache, torch.tensor([[0, 3]]), torch.zeros(1), mask, 0.25
+    )
+    assert ok.shape == (1, 4 * D) and torch.isfinite(ok).all()

@@ -353,9 +353,10 @@ def _kernel_takes(heads: Tensor, kv_cache: Tensor, plan: DensePlan) -> bool:
 
 def _draft_step_here(heads: Tensor, kv_cache: Tensor, plan: DensePlan, want_output: bool) -> bool:
     """Whether :func:`_kernel_step` runs this step: a write-only context update of few rows
-    (row-invariant plan, no output) or a non-causal block that writes nothing."""
+    (no output, any row count, so that a context row's cached K never depends on the other
+    sequences of the update) or a non-causal block of few rows that writes nothing."""
     return _kernel_takes(heads, kv_cache, plan) and (
-        (plan.row_invariant and not want_output)
+        (plan.write_kv and not want_output)  # any row count: a row's K is the same in any batch
         or (not plan.write_kv and want_output and heads.shape[1] <= ROW_INVARIANT_MAX_ROWS)
     )
 
@@ -401,28 +402,22 @@ def _kernel_step(
     hq, sliding_window, scale, eps = (
         spec.num_q_heads, spec.sliding_window, spec.scale, spec.rms_norm_eps
     )  # fmt: skip
+    rows = _step_rows(plan, positions, rope_cos_sin)
     if not want_output:
-        args = fused_step_args(plan, positions, rope_cos_sin, sliding_window)
         attention_kernel.decode_step(
-            heads, kv_cache, *args[:-1], None, hq, scale, q_norm_weight, k_norm_weight, eps
+            heads, kv_cache, *rows, None, hq, scale, q_norm_weight, k_norm_weight, eps
         )
         return None
-    key = ("block", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape), sliding_window)
-    args = plan._memo.get(key)
-    if args is None:
-        cos, sin = _cos_sin(plan, positions, rope_cos_sin)
-        wb, wi = plan.write_b.long().contiguous(), plan.write_i.long().contiguous()
-        mask = plan.mask_for(sliding_window)[wb, wi]  # [R, past_width + S]
+    key = ("block", sliding_window)
+    masks = plan._memo.get(key)
+    if masks is None:
+        mask = plan.mask_for(sliding_window)[rows[2], rows[3]]  # [R, past_width + S]
         width = plan.past_width
-        args = plan._memo[key] = (
-            cos, sin, wb, wi, plan.write_pages.long().contiguous(),
-            plan.write_offsets.long().contiguous(), plan.table.contiguous(),
-            mask[:, :width].contiguous(), mask[:, width:].contiguous(),
-        )  # fmt: skip
+        masks = plan._memo[key] = (mask[:, :width].contiguous(), mask[:, width:].contiguous())
     o = attention_kernel.decode_step(
-        heads, kv_cache, *args[:-1], hq, scale, q_norm_weight, k_norm_weight, eps, args[-1]
+        heads, kv_cache, *rows, masks[0], hq, scale, q_norm_weight, k_norm_weight, eps, masks[1]
     )
-    return _scatter_rows(o, heads, args[2], args[3], hq)
+    return _scatter_rows(o, heads, rows[2], rows[3], hq)
 
 
 def _cos_sin(plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -443,14 +438,25 @@ def fused_step_args(
     key = ("fused", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape), sliding_window)
     args = plan._memo.get(key)
     if args is None:
-        cos, sin = _cos_sin(plan, positions, rope_cos_sin)
-        wb, wi = plan.write_b.long().contiguous(), plan.write_i.long().contiguous()
-        mask = plan.mask_for(sliding_window)[wb, wi].contiguous()  # [R, T]
-        args = plan._memo[key] = (
-            cos, sin, wb, wi, plan.write_pages.long().contiguous(),
-            plan.write_offsets.long().contiguous(), plan.page_table.long().contiguous(), mask,
-        )  # fmt: skip
+        rows = _step_rows(plan, positions, rope_cos_sin)
+        mask = plan.mask_for(sliding_window)[rows[2], rows[3]].contiguous()  # [R, T]
+        args = plan._memo[key] = (*rows, mask)
     return args
+
+
+def _step_rows(plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor) -> tuple[Tensor, ...]:
+    """``(cos, sin, write_b, write_i, write_pages, write_offsets, page_table)`` of the step's
+    valid rows (memoized on the plan): :func:`fused_step_args` without the mask."""
+    key = ("rows", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape))
+    rows = plan._memo.get(key)
+    if rows is None:
+        cos, sin = _cos_sin(plan, positions, rope_cos_sin)
+        rows = plan._memo[key] = (
+            cos, sin, plan.write_b.long().contiguous(), plan.write_i.long().contiguous(),
+            plan.write_pages.long().contiguous(), plan.write_offsets.long().contiguous(),
+            plan.table.contiguous(),
+        )  # fmt: skip
+    return rows
 
 
 def _sdpa_rows(

@@ -60,7 +60,10 @@ def one_thread():
     ops (top-k over the vocabulary, the lattice's matmuls, the context's fc). At two threads
     their OpenMP regions left a spinning worker on the core edgebuild's kernel pool needed
     (and the other way round): a draft pass's int4 linears took 2.5x, top-k 3x their one-thread
-    time (bench/README.md)."""
+    time (bench/README.md). edgebuild's kernels size their pool from the same setting, so a
+    short context update's linears and attention run on one thread too (measured faster as a
+    whole: a draft pass 4.3 -> 2.7 ms at two threads). The setting is process-wide: the
+    runtime's one worker thread owns the model, so nothing else runs torch meanwhile."""
     n = torch.get_num_threads()
     if n == 1:
         yield

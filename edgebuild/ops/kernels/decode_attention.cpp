@@ -157,9 +157,9 @@ struct NewKeys {
 // (the pool's keys, then the step's new rows), softmax from the running max, and the weighted
 // sum of V in key order.
 template <typename T>
-void run(const T* q, const T* cache, const int64_t* table, int64_t npages, const int64_t* row_b,
-         const bool* mask, T* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t ps,
-         int64_t keys, float scale, const NewKeys<T>& nk = NewKeys<T>()) {
+void run(const T* q, const T* cache, int64_t P, const int64_t* table, int64_t npages,
+         const int64_t* row_b, const bool* mask, T* out, int64_t R, int64_t Hq, int64_t Hkv,
+         int64_t D, int64_t ps, int64_t keys, float scale, const NewKeys<T>& nk = NewKeys<T>()) {
   const int64_t group = Hq / Hkv, most = keys + nk.S;
   // cache [P, 2, Hkv, ps, D]
   const int64_t s_head = ps * D, s_kv = Hkv * s_head, s_page = 2 * s_kv;
@@ -188,7 +188,10 @@ void run(const T* q, const T* cache, const int64_t* table, int64_t npages, const
         if (!m[t]) continue;
         const int64_t page = t / ps;
         TORCH_CHECK(page < npages, "decode_attention: key ", t, " past the page table");
-        const T* kp = cache + pages[page] * s_page + kvh * s_head + (t % ps) * D;
+        const int64_t pg = pages[page];
+        TORCH_CHECK(pg >= 0 && pg < P, "decode_attention: page ", pg, " of key ", t,
+                    " is outside the pool of ", P, " pages");
+        const T* kp = cache + pg * s_page + kvh * s_head + (t % ps) * D;
         score(kp, kp + s_kv);  // V: the K slot + one K/V half
       }
       for (int64_t j = 0; j < nk.S; ++j) {
@@ -258,13 +261,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
   const int64_t ps = cache.size(3), keys = mask.size(1), npages = page_table.size(1);
   if (q.scalar_type() == at::kBFloat16) {
     run<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), cache.data_ptr<c10::BFloat16>(),
-                       page_table.data_ptr<int64_t>(), npages, rb, mask.data_ptr<bool>(),
+                       cache.size(0), page_table.data_ptr<int64_t>(), npages, rb, mask.data_ptr<bool>(),
                        out.data_ptr<c10::BFloat16>(), R, Hq, Hkv, D, ps, keys,
                        static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: bf16 or fp32 only");
-    run<float>(q.data_ptr<float>(), cache.data_ptr<float>(), page_table.data_ptr<int64_t>(),
-               npages, rb, mask.data_ptr<bool>(), out.data_ptr<float>(), R, Hq, Hkv, D, ps, keys,
+    run<float>(q.data_ptr<float>(), cache.data_ptr<float>(), cache.size(0),
+               page_table.data_ptr<int64_t>(), npages, rb, mask.data_ptr<bool>(), out.data_ptr<float>(), R, Hq, Hkv, D, ps, keys,
                static_cast<float>(scale));
   }
   return out.view({R, Hq * D});
@@ -376,7 +379,7 @@ void dispatch_step(const at::Tensor& heads, at::Tensor& cache, const at::Tensor&
     nk.W = hq + 2 * Hkv;
     nk.Hq = hq;
   }
-  run<T>(q.data_ptr<T>(), cache.data_ptr<T>(), page_table.data_ptr<int64_t>(),
+  run<T>(q.data_ptr<T>(), cache.data_ptr<T>(), cache.size(0), page_table.data_ptr<int64_t>(),
          page_table.size(1), wb, mask->data_ptr<bool>(), out.data_ptr<T>(), R, hq, Hkv, D, ps,
          mask->size(1), static_cast<float>(scale), nk);
 }
@@ -395,6 +398,7 @@ at::Tensor decode_step(const at::Tensor& heads, at::Tensor cache, const at::Tens
   const int64_t Hkv = (heads.size(2) - hq) / 2, R = write_b.numel();
   TORCH_CHECK(hq > 0 && Hkv > 0 && hq + 2 * Hkv == heads.size(2) && hq % Hkv == 0,
               "decode_step: head counts do not match heads' width");
+  TORCH_CHECK(B > 0 && S > 0, "decode_step: heads must have at least one row");
   TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.size(2) == Hkv &&
                   cache.size(4) == D && cache.is_contiguous() &&
                   cache.scalar_type() == heads.scalar_type() && D % kLanes == 0,
@@ -429,7 +433,7 @@ at::Tensor decode_step(const at::Tensor& heads, at::Tensor cache, const at::Tens
   const at::Tensor qn = norm_weight(q_norm, D, "q_norm"), kn = norm_weight(k_norm, D, "k_norm");
   auto q = at::empty({mask.has_value() ? R : 0, hq, D}, heads.options());
   auto out = at::empty({mask.has_value() ? R : 0, hq, D}, heads.options());
-  at::Tensor new_k = writes ? at::Tensor() : at::empty({B, S, Hkv, D}, heads.options());
+  at::Tensor new_k = writes ? at::Tensor() : at::zeros({B, S, Hkv, D}, heads.options());
   if (R == 0) return out.view({out.size(0), hq * D});
   if (heads.scalar_type() == at::kBFloat16) {
     dispatch_step<c10::BFloat16>(heads, cache, cos, sin, half, wb, wi, wp, wo, R, S, hq, Hkv, D,
@@ -492,6 +496,10 @@ std::vector<at::Tensor> decoder_layers(
                   (int64_t)qk_norm.size() == 2 * L,
               "decoder_layers: x must be [B, S, d]; 4 linears, 2 norms and 2 q/k norms a layer");
   const int64_t B = x_in.size(0), S = x_in.size(1), D = caches[0].size(4);
+  TORCH_CHECK(write_b.numel() == B * S, "decoder_layers: every row of x must be valid (R = B S)");
+  for (size_t t = 0; t < taps.size(); ++t)
+    TORCH_CHECK(taps[t] >= 0 && taps[t] < L && (t == 0 || taps[t] > taps[t - 1]),
+                "decoder_layers: taps must ascend within [0, layers)");
   const LinearOps& ops = linear_ops();
   auto linear = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& nw,
                     double e, bool swiglu, const c10::optional<at::Tensor>& residual) {
