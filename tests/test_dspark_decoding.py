@@ -58,6 +58,9 @@ def load_draft(draft_dir, target_dir, n, top_k=16, threshold=0.0):
             "num_speculative_tokens": n,
             "draft_top_k": top_k,
             "confidence_threshold": threshold,
+            # the draft as stored: the engines' graphs and the reference forwards these tests
+            # compare it with are unquantized (the default int4 packing: test_draft_quant.py)
+            "quantization": "none",
         }
     )
     return prepare_draft(spec, WeightSource(target_dir))(
