@@ -82,10 +82,9 @@ class DensePlan:
     write_kv: bool
     past_width: int
     row_invariant: bool = False
-    page_table: Tensor | None = None  # long [B, max_pages] (decode / prefill plans: page gather)
+    page_table: Tensor | None = None  # long [B, max_pages] (page gathers, the C++ steps)
     page_size: int = 0
     prefill: bool = False
-    table: Tensor | None = None  # long [B, max_pages] every plan's (the C++ block step reads it)
     _memo: dict = field(default_factory=dict)
 
     @classmethod
@@ -157,10 +156,7 @@ class DensePlan:
         mask = mask & valid[:, :, None]
         return cls(
             wb, wi, w_pages, w_off, r_pages, r_off, key_slots, query_slots, mask, valid,
-            write_kv, width, row_invariant, table if row_invariant or prefill else None,
-            page_size,
-            prefill,
-            table,
+            write_kv, width, row_invariant, table, page_size, prefill,
         )  # fmt: skip
 
     def mask_for(self, sliding_window: int) -> Tensor:
@@ -226,7 +222,7 @@ def paged_attention_planned(
         q = rms_norm(q, q_norm_weight, rms_norm_eps).to(qkv.dtype)
     if rope_cos_sin.shape[1]:
         q = apply_rope(q, positions, rope_cos_sin)
-    if plan.page_table is not None:  # a prefill step: whole pages, [B, Hkv, T, D]
+    if plan.prefill:  # whole pages, [B, Hkv, T, D]
         keys, values = _gather_pages(kv_cache, plan, torch.float32)
     else:
         keys = kv_cache[plan.read_pages, 0, :, plan.read_offsets, :].transpose(1, 2)
@@ -346,7 +342,7 @@ def _kernel_takes(heads: Tensor, kv_cache: Tensor, plan: DensePlan) -> bool:
     return (
         FUSED_STEP
         and heads.is_contiguous()
-        and plan.table is not None
+        and plan.page_table is not None
         and attention_kernel.usable(heads.dtype, kv_cache, heads.shape[-1])
     )
 
@@ -454,7 +450,7 @@ def _step_rows(plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor) -> tupl
         rows = plan._memo[key] = (
             cos, sin, plan.write_b.long().contiguous(), plan.write_i.long().contiguous(),
             plan.write_pages.long().contiguous(), plan.write_offsets.long().contiguous(),
-            plan.table.contiguous(),
+            plan.page_table.contiguous(),
         )  # fmt: skip
     return rows
 
