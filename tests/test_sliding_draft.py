@@ -22,6 +22,7 @@ from edgebuild.checkpoint.config import ModelConfig
 from edgebuild.checkpoint.draft import pair_draft
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import ConfigError
+from edgebuild.models.common import FusedLayers
 from edgebuild.models.dspark import DSparkDraft
 from edgebuild.models.llama import LlamaForCausalLM
 from edgebuild.runtime.backend import Proposal
@@ -89,6 +90,7 @@ def test_the_ring_equals_a_full_cache_with_the_window_mask_up_to_3w(target, tmp_
     nowin = TorchDraft(load_model(windowed_draft(tmp_path / "d", target), target), 512, PAGE, 8)
     for layer in nowin.model.layers:  # the same weights without the window: must differ
         layer.self_attn.block_spec = layer.self_attn.block_spec.replace(sliding_window=0)
+    nowin.model.block_program = FusedLayers.build(nowin.model.layers, block=True)  # its spec
     nowin.ring = None
     width = model.fc.in_features
     g = torch.Generator().manual_seed(1)

@@ -74,6 +74,19 @@ class PagedBatch:
             )
         return self._plans[key]
 
+    def kernel_plan(self, rows: int, page_size: int, causal: bool, write_kv: bool):
+        """The step's :class:`~edgebuild.ops.attention_fast.KernelPlan` (what the C++ steps
+        read; built once, shared by all layers)."""
+        from edgebuild.ops.attention_fast import KernelPlan
+
+        key = ("kernel", rows, page_size, causal, write_kv)
+        if key not in self._plans:
+            self._plans[key] = KernelPlan.build(
+                self.page_table, self.past_lengths, self.input_lengths, rows, page_size,
+                causal, write_kv,
+            )  # fmt: skip
+        return self._plans[key]
+
 
 def attention(
     qkv: torch.Tensor,  # [B, S, (Hq + 2*Hkv) * D], or [1, N, ...] unpadded (batch.flat_valid)
@@ -110,14 +123,18 @@ def attention(
             None,
             **spec.bind(rope_table, kv_cache).attributes(),
         )
-    from edgebuild.ops.attention_fast import paged_attention_planned
+    from edgebuild.ops.attention_fast import kernel_route, paged_attention_planned
 
     valid = batch.flat_valid
     if valid is not None:  # rows arrive unpadded [1, N, W]: pad for the plan, unpad after
         padded = qkv.new_zeros(*valid.shape, qkv.shape[-1])
         padded[valid] = qkv[0]
         qkv = padded
-    plan = batch.plan(qkv.shape[1], kv_cache.shape[3], spec.causal, spec.write_kv)
+    rows, how = qkv.shape[1], (kv_cache.shape[3], spec.causal, spec.write_kv)
+    if kernel_route(qkv, kv_cache, spec.head_dim, rows, *how[1:], batch.prefill, want_output):
+        plan = batch.kernel_plan(rows, *how)  # the C++ step's inputs only
+    else:
+        plan = batch.plan(rows, *how)
     out = paged_attention_planned(
         qkv, kv_cache, plan, batch.positions, rope_table, q_norm_weight, k_norm_weight, spec,
         want_output,
@@ -253,11 +270,12 @@ class FusedLayers:
     SmolLM2 token at one thread: 10.1 -> 8.0 ms, bench/README.md).
     """
 
-    def __init__(self, layers: list[tuple]):
+    def __init__(self, layers: list[tuple], block: bool = False):
         # per layer: (qkv op, its lead args, input_layernorm, o op, lead, gate_up op, lead,
         # post_attention_layernorm, down op, lead,
         # (Hq, Hkv, D, sliding_window, scale, (q_norm weight, k_norm weight, eps)))
         self.layers = layers
+        self.block = block  # a DSpark draft's block pass (build)
         self.flat = self._flat(layers)  # decoder_layers' arguments, or None
 
     @staticmethod
@@ -285,18 +303,23 @@ class FusedLayers:
         return flat
 
     @classmethod
-    def build(cls, layers: nn.ModuleList) -> FusedLayers | None:
+    def build(cls, layers: nn.ModuleList, block: bool = False) -> FusedLayers | None:
         """The program of ``layers`` (packed :class:`PreNormDecoderLayer` s), or None when one
         of them has a part it cannot run (a linear off the fp32 / int4 kernels, an attention
-        that is not causal self-attention writing its cache)."""
+        that is not causal self-attention writing its cache).
+
+        ``block``: the program of a DSpark draft's block pass instead (the attentions'
+        ``block_spec``: non-causal, nothing written; :meth:`edgebuild.models.dspark.
+        DSparkDraft.block_forward`): each layer's attention is ``decode_step`` with the
+        block's masks (:func:`edgebuild.ops.attention_fast.block_step_args`)."""
         program = []
         for layer in layers:
             sa, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            spec = getattr(sa, "spec", None)
+            spec = getattr(sa, "block_spec" if block else "spec", None)
             if (
                 not isinstance(layer, PreNormDecoderLayer)
                 or spec is None
-                or not (spec.causal and spec.write_kv)
+                or (spec.causal, spec.write_kv) != ((False, False) if block else (True, True))
             ):
                 return None
             qn, kn = getattr(sa, "q_norm", None), getattr(sa, "k_norm", None)
@@ -315,10 +338,11 @@ class FusedLayers:
                 (qkv.default, qkv_w, layer.input_layernorm, o.default, o_w, gu.default, gu_w,
                  layer.post_attention_layernorm, down.default, down_w, heads)
             )  # fmt: skip
-        return cls(program) if program else None
+        return cls(program, block) if program else None
 
     def plan_for(self, x: torch.Tensor, kv_caches: list[torch.Tensor], batch: PagedBatch):
-        """The step's row-invariant DensePlan when this program can run it, else None: eager,
+        """The step's :class:`~edgebuild.ops.attention_fast.KernelPlan` when this program can
+        run it, else None: eager,
         fp32 ``x [B, S, d]`` contiguous, all rows of the batch laid out ``[B, S]`` (no
         ``flat_valid``), the decode kernel usable on these caches, <= 16 rows a sequence."""
         from edgebuild.ops import attention_fast, attention_kernel
@@ -336,10 +360,26 @@ class FusedLayers:
         head_dim = self.layers[0][-1][2]
         if not attention_kernel.usable(torch.float32, kv_caches[0], head_dim):
             return None
-        plan = batch.plan(x.shape[1], kv_caches[0].shape[3], True, True)
-        if not plan.row_invariant or plan.write_b.numel() != x.shape[0] * x.shape[1]:
-            return None  # the program runs steps whose every row is valid
-        return plan
+        bsz, rows = x.shape[:2]
+        if (
+            bsz == 0
+            or rows > attention_fast.ROW_INVARIANT_MAX_ROWS
+            or (batch.prefill and not self.block)
+            or int(batch.input_lengths.min()) < rows
+        ):
+            return None  # the program runs few-row steps whose every row is valid
+        causal = not self.block  # the block pass: non-causal, nothing written
+        return batch.kernel_plan(rows, kv_caches[0].shape[3], causal, causal)
+
+    def _step_args(self, plan, positions, rope_table, window) -> tuple[tuple, torch.Tensor | None]:
+        """``decode_step``'s step inputs after the cache, and the block's ``new_mask`` (None
+        for a decode / verify step)."""
+        from edgebuild.ops.attention_fast import block_step_args, fused_step_args
+
+        if self.block:
+            *args, new_mask = block_step_args(plan, positions, rope_table, window)
+            return tuple(args), new_mask
+        return fused_step_args(plan, positions, rope_table, window), None
 
     def run(
         self,
@@ -353,18 +393,15 @@ class FusedLayers:
     ) -> torch.Tensor:  # fp32 [B, S, d], the last layer's output
         """Run every layer (class docstring); layer i's output goes to ``taps[i]`` when i is
         in ``wanted``. The caches are written in place, as by the modules."""
-        from edgebuild.ops.attention_fast import fused_step_args
-
         bsz, rows = x.shape[:2]
         if self.flat is not None and CPP_LAYERS:  # the loop below in one C++ call
             f = self.flat
             hq, hkv, _, window, scale, _ = self.layers[0][-1]
             order = sorted(i for i in wanted if 0 <= i < len(self.layers))
+            a, new_mask = self._step_args(plan, batch.positions, rope_table, window)
             outs = torch.ops.edgebuild_attn.decoder_layers(
                 x, kv_caches, f["w"], f["sl"], f["bias"], f["n"], f["kind"], f["norm"],
-                f["eps"], f["qk_norm"], f["qk_eps"],
-                *fused_step_args(plan, batch.positions, rope_table, window), hq, hkv, scale,
-                order,
+                f["eps"], f["qk_norm"], f["qk_eps"], *a, hq, hkv, scale, order, new_mask,
             )  # fmt: skip
             taps.update(zip(order, outs[1:], strict=True))
             return outs[0]
@@ -376,9 +413,11 @@ class FusedLayers:
             hq, hkv, d, window, scale, norms = heads
             a = args.get(window)
             if a is None:
-                a = args[window] = fused_step_args(plan, batch.positions, rope_table, window)
+                a = args[window] = self._step_args(plan, batch.positions, rope_table, window)
             h = qkv(x, *qkv_w, n1.weight, n1.eps, False, None)
-            h = step(h.view(bsz, rows, hq + 2 * hkv, d), kv_caches[i], *a, hq, scale, *norms)
+            h = step(
+                h.view(bsz, rows, hq + 2 * hkv, d), kv_caches[i], *a[0], hq, scale, *norms, a[1]
+            )
             h = o(h.view(bsz, rows, hq * d), *o_w, None, 0.0, False, x)
             x = down(gu(h, *gu_w, n2.weight, n2.eps, False, None), *down_w, None, 0.0, True, h)
             if i in wanted:

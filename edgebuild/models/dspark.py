@@ -54,6 +54,7 @@ from edgebuild.checkpoint.quant import QuantizedWeight
 from edgebuild.checkpoint.source import WeightSource
 from edgebuild.errors import ConfigError
 from edgebuild.models.common import (
+    FusedLayers,
     GatedMLP,
     PagedBatch,
     PreNormDecoderLayer,
@@ -61,6 +62,7 @@ from edgebuild.models.common import (
     attention,
     dense,
 )
+from edgebuild.ops import f32_linear
 from edgebuild.ops.attention import AttentionSpec
 from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.rope import rope_cos_sin_table
@@ -328,16 +330,28 @@ class DSparkDraft(nn.Module):
         )
         self._rope_table = torch.empty(0, 0)
         self.packed_lm_head: PackedLinear | None = None  # set by pack_for_cpu
+        self.packed_fc: PackedLinear | None = None  # set by pack_for_cpu where fp32 in and out
+        self.block_program: FusedLayers | None = None  # set by pack_for_cpu where it can run
 
     def pack_for_cpu(self, quant: str | None = None) -> DSparkDraft:
-        """Pack the layers' linears and ``lm_head`` once for the eager CPU runtime.
+        """Pack the layers' linears, ``fc`` and ``lm_head`` once for the eager CPU runtime.
 
         As :meth:`edgebuild.models.llama.LlamaForCausalLM.pack_for_cpu`: names and
-        ``state_dict`` unchanged, eager forwards only, one extra copy in memory. Returns self.
+        ``state_dict`` unchanged, eager forwards only, one extra copy in memory. ``fc`` is
+        packed only where its kernel takes the features in fp32 as they are (spec §2.7:
+        target features can exceed 2e4, so no int8 activations): fp32 weights on edgebuild's
+        fp32 kernel, or ``int4`` weights on its int4 kernel with fp32 inputs. Where every
+        linear of the layers runs on edgebuild's kernels, the block pass runs as one C++
+        program (:class:`edgebuild.models.common.FusedLayers` with ``block=True``, the same
+        op calls as the modules, so the same bits). Returns self.
         """
         for layer in self.layers:
             layer.pack_for_cpu(quant)
         self.packed_lm_head = PackedLinear([self.lm_head], quant)
+        fc = PackedLinear([self.fc], quant, int4_activations="fp32")
+        fp32_in = fc.f32_kernel or (fc.int4_f32 and not fc.int4_a8)
+        self.packed_fc = fc if fp32_in else None
+        self.block_program = FusedLayers.build(self.layers, block=True)
         return self
 
     # ------------------------------------------------------------------ running
@@ -371,7 +385,10 @@ class DSparkDraft(nn.Module):
                 f"DSparkDraft: features must be [B, M, n_t*d = {self.fc.in_features}] (taps "
                 f"{list(self.config.target_layer_ids)} concatenated), got {tuple(features.shape)}"
             )
-        c = F.linear(features.float(), self.fc.weight.float())
+        if use_packed(self.packed_fc):
+            c = self.packed_fc(features.float())  # fp32 in, fp32 out (pack_for_cpu)
+        else:
+            c = F.linear(features.float(), self.fc.weight.float())
         return self.hidden_norm(c).to(self.fc.weight.dtype)
 
     @torch.no_grad()
@@ -414,6 +431,10 @@ class DSparkDraft(nn.Module):
         self._check_caches(kv_caches)
         x = self.embed_tokens(block_ids.long())
         table = self.rope_table(int(batch.positions.max()) + 1)
+        program = self.block_program
+        plan = None if program is None else program.plan_for(x, kv_caches, batch)
+        if plan is not None:  # the layers below as one C++ call (pack_for_cpu)
+            return self.norm(program.run(x, kv_caches, batch, table, plan, {}, set()))
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cache, batch, table)
         return self.norm(x)
@@ -450,7 +471,7 @@ class DSparkDraft(nn.Module):
                 f"{self.config.source}: an rnn Markov head has no top-k lattice (its state "
                 "depends on the path taken); walk it token by token"
             )
-        top, cand = base.topk(top_k, dim=-1)  # [B, n, K]
+        top, cand = f32_linear.topk(base, top_k)  # [B, n, K], best first (ties: lower id)
         prev = torch.cat([anchors.long().view(-1, 1, 1).expand(-1, 1, top_k), cand[:, :-1]], 1)
         prev = prev[:, : cand.shape[1]]  # [B, n, K(i)]: the token before slot l
         scores = top.unsqueeze(2).expand(-1, -1, top_k, -1)  # [B, n, K(i), K(j)]

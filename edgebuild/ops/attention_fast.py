@@ -159,6 +159,10 @@ class DensePlan:
             write_kv, width, row_invariant, table, page_size, prefill,
         )  # fmt: skip
 
+    def row_masks(self, sliding_window: int) -> Tensor:
+        """bool [R, T]: the key columns each valid row (``write_b``, ``write_i``) sees."""
+        return self.mask_for(sliding_window)[self.write_b, self.write_i]
+
     def mask_for(self, sliding_window: int) -> Tensor:
         """bool [B, S, T] with the sliding-window rule q - t < w applied (memoized)."""
         if sliding_window <= 0:
@@ -169,6 +173,117 @@ class DensePlan:
             m = self.base_mask & near
             self._memo[sliding_window] = m
         return m
+
+
+@dataclass
+class KernelPlan:
+    """What edgebuild's C++ steps (:func:`edgebuild.ops.attention_kernel.decode_step`) read of
+    a step, without :class:`DensePlan`'s dense gathers and ``[B, S, T]`` masks: the valid rows
+    (``write_b``, ``write_i``), where each goes in the pool (``write_pages``,
+    ``write_offsets``, int64 [R]), the page table (int64 [B, pages]) and, for the steps that
+    attend, each row's key columns (:meth:`row_masks`). The same values as the DensePlan of
+    the step (tests/test_attention_fast.py); a DensePlan of a 1-row decode took ~0.2 ms to
+    build, ~4% of an int4 SmolLM2 token. Built by :meth:`build` for the steps
+    :func:`kernel_route` sends to the C++ step: decode / verify (row-invariant), a DSpark
+    draft's context update (write-only) and its block pass (non-causal, nothing written).
+    """
+
+    write_b: Tensor
+    write_i: Tensor
+    write_pages: Tensor
+    write_offsets: Tensor
+    page_table: Tensor
+    past: Tensor  # long [B] rows already cached
+    lengths: Tensor  # long [B] valid new rows
+    write_kv: bool
+    past_width: int  # T: key columns of row_masks (the block's: cached columns only)
+    row_invariant: bool
+    prefill: bool = False
+    _memo: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        page_table: Tensor,  # int32 [B, max_pages]
+        past_lengths: Tensor,  # int32 [B]
+        input_lengths: Tensor,  # int32 [B]
+        rows: int,  # S
+        page_size: int,
+        causal: bool,
+        write_kv: bool,
+    ) -> KernelPlan:
+        """Plan a step of the kinds above (B >= 1); raises ValueError as :meth:`DensePlan.build`
+        when the page table cannot hold the rows."""
+        bsz = page_table.shape[0]
+        past, length = past_lengths.long(), input_lengths.long()
+        cover = (past + length) if write_kv else past
+        capacity = page_table.shape[1] * page_size
+        top = int(cover.max())
+        if top > capacity:
+            raise ValueError(
+                f"paged_attention: page_table covers {capacity} slots but a sequence needs "
+                f"{top}; allocate more pages for the sequence"
+            )
+        if int(length.min()) >= rows:  # every row valid: no nonzero
+            wb = torch.arange(bsz).repeat_interleave(rows)
+            wi = torch.arange(rows).repeat(bsz)
+        else:
+            wb, wi = (torch.arange(rows)[None, :] < length[:, None]).nonzero(as_tuple=True)
+        table = page_table.long().contiguous()
+        slots = past[wb] + wi
+        row_invariant = causal and write_kv and rows <= ROW_INVARIANT_MAX_ROWS
+        width = -(-top // KEY_ALIGN) * KEY_ALIGN if row_invariant else top
+        return cls(
+            wb, wi, table[wb, slots // page_size], slots % page_size, table, past, length,
+            write_kv, width, row_invariant,
+        )  # fmt: skip
+
+    def row_masks(self, sliding_window: int) -> Tensor:
+        """bool [R, T] as :meth:`DensePlan.row_masks` (the block's: its cached columns)."""
+        key = ("row_masks", sliding_window)
+        m = self._memo.get(key)
+        if m is None:
+            wb, t = self.write_b, torch.arange(self.past_width)[None, :]
+            q = (self.past[wb] + self.write_i)[:, None]  # each row's cache slot
+            if self.write_kv:  # causal: keys up to the row
+                m = (t <= q) & (t < (self.past + self.lengths)[wb][:, None])
+            else:  # the block: every cached row
+                m = t < self.past[wb][:, None]
+            if sliding_window > 0:
+                m = m & ((q - t) < sliding_window)
+            self._memo[key] = m
+        return m
+
+    def new_masks(self, rows: int, sliding_window: int) -> Tensor:
+        """bool [R, S]: the block rows each valid row of a block pass sees (its valid rows,
+        within the window)."""
+        j = torch.arange(rows)[None, :]
+        m = j < self.lengths[self.write_b][:, None]
+        if sliding_window > 0:
+            m = m & ((self.write_i[:, None] - j) < sliding_window)
+        return m
+
+
+def kernel_route(
+    qkv: Tensor, kv_cache: Tensor, head_dim: int, rows: int, causal: bool, write_kv: bool,
+    prefill: bool, want_output: bool,
+) -> bool:  # fmt: skip
+    """Whether :func:`paged_attention_planned` runs this step as the C++ step (then a
+    :class:`KernelPlan` serves it): a row-invariant decode / verify, a draft's write-only
+    context update or its few-row block pass, with the kernel usable here (the routing of
+    :func:`_decode_step`, :func:`_kernel_takes` and :func:`_draft_step_here`)."""
+    if not (
+        FUSED_STEP
+        and qkv.is_contiguous()
+        and qkv.shape[0] > 0
+        and attention_kernel.usable(qkv.dtype, kv_cache, head_dim)
+    ):
+        return False
+    if write_kv and not want_output:  # a context update: any row count
+        return True
+    if write_kv:  # decode / verify
+        return causal and rows <= ROW_INVARIANT_MAX_ROWS and not prefill
+    return want_output and rows <= ROW_INVARIANT_MAX_ROWS  # a block pass
 
 
 def paged_attention_planned(
@@ -398,29 +513,48 @@ def _kernel_step(
     hq, sliding_window, scale, eps = (
         spec.num_q_heads, spec.sliding_window, spec.scale, spec.rms_norm_eps
     )  # fmt: skip
-    rows = _step_rows(plan, positions, rope_cos_sin)
     if not want_output:
+        rows = _step_rows(plan, positions, rope_cos_sin)
         attention_kernel.decode_step(
             heads, kv_cache, *rows, None, hq, scale, q_norm_weight, k_norm_weight, eps
         )
         return None
-    key = ("block", sliding_window)
-    masks = plan._memo.get(key)
-    if masks is None:
-        mask = plan.mask_for(sliding_window)[rows[2], rows[3]]  # [R, past_width + S]
-        width = plan.past_width
-        masks = plan._memo[key] = (mask[:, :width].contiguous(), mask[:, width:].contiguous())
+    *rows, new_mask = block_step_args(plan, positions, rope_cos_sin, sliding_window)
     o = attention_kernel.decode_step(
-        heads, kv_cache, *rows, masks[0], hq, scale, q_norm_weight, k_norm_weight, eps, masks[1]
+        heads, kv_cache, *rows, hq, scale, q_norm_weight, k_norm_weight, eps, new_mask
     )
     return _scatter_rows(o, heads, rows[2], rows[3], hq)
+
+
+def block_step_args(
+    plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor, sliding_window: int
+) -> tuple[Tensor, ...]:
+    """A DSpark draft block pass's inputs of :func:`edgebuild.ops.attention_kernel.decode_step`
+    (a plan that writes nothing, non-causal): ``(cos, sin, write_b, write_i, write_pages,
+    write_offsets, page_table, mask, new_mask)``, ``mask`` bool [R, past_width] the cached
+    keys each valid row sees, ``new_mask`` bool [R, S] the block rows it sees; built once per
+    plan, RoPE table and window."""
+    key = ("block", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape), sliding_window)
+    args = plan._memo.get(key)
+    if args is None:
+        rows = _step_rows(plan, positions, rope_cos_sin)
+        if isinstance(plan, KernelPlan):
+            masks = (
+                plan.row_masks(sliding_window),
+                plan.new_masks(positions.shape[1], sliding_window),
+            )
+        else:
+            mask = plan.row_masks(sliding_window)  # [R, past_width + S]
+            masks = mask[:, : plan.past_width], mask[:, plan.past_width :]
+        args = plan._memo[key] = (*rows, *(m.contiguous() for m in masks))
+    return args
 
 
 def _cos_sin(plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor) -> tuple[Tensor, Tensor]:
     """fp32 contiguous [B, S, rotary_dim / 2] cos and sin of the step's rows."""
     if rope_cos_sin.shape[1]:
         return tuple(t.squeeze(2).contiguous() for t in _rope_rows(plan, positions, rope_cos_sin))
-    bsz, rows = plan.valid_rows.shape
+    bsz, rows = positions.shape
     zero = torch.zeros(bsz, rows, 0)
     return zero, zero
 
@@ -435,8 +569,7 @@ def fused_step_args(
     args = plan._memo.get(key)
     if args is None:
         rows = _step_rows(plan, positions, rope_cos_sin)
-        mask = plan.mask_for(sliding_window)[rows[2], rows[3]].contiguous()  # [R, T]
-        args = plan._memo[key] = (*rows, mask)
+        args = plan._memo[key] = (*rows, plan.row_masks(sliding_window).contiguous())  # [R, T]
     return args
 
 

@@ -82,6 +82,10 @@ class PackedLinear:
             bytes). All give a row the same bits whatever the rows beside it, so DSpark equals
             int4 target-only.
 
+    ``int4_activations`` (``"int8"`` or ``"fp32"``): for ``"int4"`` on edgebuild's AVX2 kernel,
+    how this linear treats its inputs whatever ``EDGEBUILD_INT4_ACTIVATIONS`` says (a DSpark
+    draft's ``fc`` takes target features of any range: fp32).
+
     Calling it maps ``x [..., in]`` to ``[..., sum(out_i)]`` in x's dtype, the concatenation
     of each module's output, in order (equal within rounding to ``torch.cat([m(x) ...])``).
     Holds its own copy of the weights (the modules keep theirs for state_dict and export).
@@ -93,7 +97,12 @@ class PackedLinear:
             ``EDGEBUILD_INT4_ACTIVATIONS`` (not int8 or fp32).
     """
 
-    def __init__(self, linears: list[nn.Linear], quant: str | None = None):
+    def __init__(
+        self,
+        linears: list[nn.Linear],
+        quant: str | None = None,
+        int4_activations: str | None = None,
+    ):
         weights = [m.weight.detach() for m in linears]
         if len({w.shape[1] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
             raise ValueError(
@@ -123,6 +132,7 @@ class PackedLinear:
         self.int4_amx = self.bf16_amx = False  # edgebuild's AMX kernels (ops/amx_linear.py)
         self.f32_kernel = self.int4_f32 = False  # edgebuild's AVX2 kernels (ops/f32_linear.py)
         self.int4_a8 = False  # the AVX2 int4 kernel with int8-quantized inputs
+        self._int4_act = int4_activations  # None: as EDGEBUILD_INT4_ACTIVATIONS says
         if quant == "int8":
             scale = fused.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
             q = (fused.float() / scale[:, None]).round().clamp(-127, 127)
@@ -170,7 +180,8 @@ class PackedLinear:
         codes, self.scales = quantize_int4(fused)
         self.packed = True
         if fused.dtype == torch.float32 and f32_linear.available():
-            self.int4_a8 = f32_linear.int4_activations() == "int8"
+            act = self._int4_act or f32_linear.int4_activations()
+            self.int4_a8 = act == "int8"
             pack = f32_linear.pack_int4_a8 if self.int4_a8 else f32_linear.pack_int4
             self.weight, self._int4_sl = pack(codes, self.scales)
             self._f32_bias = f32_linear.pack_bias(self.bias, self.weight)

@@ -454,8 +454,10 @@ at::Tensor decode_step(const at::Tensor& heads, at::Tensor cache, const at::Tens
 // Linear j of layer i is entry 4 i + j of w / sl / bias / n / kind (kind 0: f32_linear(x, w),
 // 1: int4_f32_linear(x, w, sl), 2: int4_a8_linear(x, w, sl)); norm / eps 2 i, 2 i + 1 are the
 // layer's input and post-attention RMSNorms, qk_norm 2 i, 2 i + 1 its q / k norms (or none).
-// The step's attention inputs (cos .. mask) and heads are shared by every layer. Returns the
-// last layer's output, then the outputs of the layers in `taps` (ascending).
+// The step's attention inputs (cos .. mask, new_mask) and heads are shared by every layer; with
+// new_mask the step is a DSpark draft's block pass (decode_step's non-causal block: the rows
+// attend the cache (mask) and each other (new_mask), nothing is written). Returns the last
+// layer's output, then the outputs of the layers in `taps` (ascending).
 using F32Op = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                          int64_t, const c10::optional<at::Tensor>&, double, bool,
                          const c10::optional<at::Tensor>&);
@@ -487,7 +489,8 @@ std::vector<at::Tensor> decoder_layers(
     const c10::List<c10::optional<at::Tensor>>& qk_norm, double qk_eps, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& write_b, const at::Tensor& write_i,
     const at::Tensor& write_pages, const at::Tensor& write_offsets, const at::Tensor& table,
-    const at::Tensor& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef taps) {
+    const at::Tensor& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef taps,
+    const c10::optional<at::Tensor>& new_mask) {
   const int64_t L = caches.size();
   TORCH_CHECK(x_in.dim() == 3 && L > 0 && (int64_t)w.size() == 4 * L &&
                   (int64_t)sl.size() == 4 * L && (int64_t)bias.size() == 4 * L &&
@@ -520,7 +523,7 @@ std::vector<at::Tensor> decoder_layers(
     const at::Tensor a = decode_step(qkv.view({B, S, hq + 2 * hkv, D}), caches[i], cos, sin,
                                      write_b, write_i, write_pages, write_offsets, table, mask,
                                      hq, scale, qk_norm.get(2 * i), qk_norm.get(2 * i + 1),
-                                     qk_eps, none);
+                                     qk_eps, new_mask);
     const at::Tensor h = linear(4 * i + 1, a.view({B, S, hq * D}), none, 0.0, false, x);
     const at::Tensor gu = linear(4 * i + 2, h, norm[2 * i + 1], eps[2 * i + 1], false, none);
     x = linear(4 * i + 3, gu, none, 0.0, true, h);
@@ -546,7 +549,7 @@ TORCH_LIBRARY(edgebuild_attn, m) {
         "int[] n, int[] kind, Tensor[] norm, float[] eps, Tensor?[] qk_norm, float qk_eps, "
         "Tensor cos, Tensor sin, Tensor write_b, Tensor write_i, Tensor write_pages, "
         "Tensor write_offsets, Tensor table, Tensor mask, int hq, int hkv, float scale, "
-        "int[] taps) -> Tensor[]");
+        "int[] taps, Tensor? new_mask=None) -> Tensor[]");
 }
 TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) {
   m.impl("decode_attention", &decode_attention);

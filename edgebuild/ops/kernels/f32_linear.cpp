@@ -619,6 +619,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_rows(const at::Tensor& x_in)
   return {xq.permute({1, 0, 2}).reshape({rows, K}), sx.t().contiguous(), ms.t().contiguous()};
 }
 
+// The k largest entries of each row of x fp32 [R, V] (the DSpark draft's top-k candidates over
+// the vocabulary, edgebuild.ops.f32_linear.topk): values fp32 [R, k] and indices int64 [R, k],
+// best first. Order: larger value first, equal values by smaller index (what a stable
+// descending sort gives), NaN above every number (as torch.sort). One pass over the row, 8
+// values at a time compared in AVX2 with the k-th best so far (topk_row).
+struct Entry {
+  float v;
+  int64_t i;
+};
+
+inline bool better(const Entry& a, const Entry& b) {  // a ranks above b
+  const bool an = std::isnan(a.v), bn = std::isnan(b.v);
+  if (an != bn) return an;
+  if (!an && a.v != b.v) return a.v > b.v;
+  return a.i < b.i;
+}
+
+// Candidates above the k-th best so far are appended to buf; when it holds kSpill more than k,
+// nth_element keeps the k best and raises the bar (a heap update per candidate cost ~40 us a
+// 49152-entry row: ~400 candidates pass the bar in a row of random order).
+constexpr int64_t kSpill = 512;
+
+void topk_row(const float* x, int64_t V, int64_t k, std::vector<Entry>& buf, float* vals,
+              int64_t* idx) {
+  buf.clear();
+  for (int64_t j = 0; j < k; ++j) buf.push_back(Entry{x[j], j});
+  auto bar = [&]() {  // the worst kept entry: a lane must rank above it to enter
+    return *std::max_element(buf.begin(), buf.begin() + k, better);
+  };
+  auto compact = [&]() {
+    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), better);
+    buf.resize(k);
+  };
+  Entry worst = bar();
+  auto offer = [&](int64_t j) {
+    const Entry e{x[j], j};
+    if (!better(e, worst)) return;
+    buf.push_back(e);
+    if ((int64_t)buf.size() >= k + kSpill) {
+      compact();
+      worst = bar();
+    }
+  };
+  int64_t j = k;
+  for (; j < V && (j & 7); ++j) offer(j);
+  for (; j + 8 <= V; j += 8) {
+    // a lane may enter when it is above the bar's value, or NaN (the exact rule: offer)
+    const float w = std::isnan(worst.v) ? INFINITY : worst.v;
+    const __m256 v = _mm256_loadu_ps(x + j);
+    const __m256 hit = _mm256_or_ps(_mm256_cmp_ps(v, _mm256_set1_ps(w), _CMP_GT_OQ),
+                                    _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    int bits = _mm256_movemask_ps(hit);
+    while (bits) {
+      const int lane = __builtin_ctz(bits);
+      bits &= bits - 1;
+      offer(j + lane);
+    }
+  }
+  for (; j < V; ++j) offer(j);
+  if ((int64_t)buf.size() > k) compact();
+  std::sort(buf.begin(), buf.end(), better);  // best first
+  for (int64_t t = 0; t < k; ++t) {
+    vals[t] = buf[t].v;
+    idx[t] = buf[t].i;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x_in, int64_t k) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "topk_rows: x must be fp32 [rows, V]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "topk_rows: k must be in 1..V (", V, "), got ", k);
+  auto vals = at::empty({R, k}, x.options());
+  auto idx = at::empty({R, k}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* vp = vals.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  eb_pool::parallel_for(R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<Entry> buf;
+    buf.reserve(k + kSpill);
+    for (int64_t r = r0; r < r1; ++r) topk_row(xp + r * V, V, k, buf, vp + r * k, ip + r * k);
+  });
+  return {vals, idx};
+}
+
 bool available() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 }  // namespace
@@ -638,6 +724,7 @@ TORCH_LIBRARY(edgebuild_f32, m) {
       "Tensor? norm_weight=None, float eps=0.0, bool swiglu=False, Tensor? residual=None) -> "
       "Tensor");
   m.def("int8_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("f32_available() -> bool", &available);
 }
 TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
@@ -645,4 +732,5 @@ TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
   m.impl("int4_f32_linear", &int4_f32_linear);
   m.impl("int4_a8_linear", &int4_a8_linear);
   m.impl("int8_rows", &int8_rows);
+  m.impl("topk_rows", &topk_rows);
 }

@@ -1,0 +1,209 @@
+"""The DSpark draft's proposal on the kernels: top-k, the step plans, the block program, fc.
+
+Oracles: ``torch.sort(descending=True, stable=True)`` for the top-k op; the DensePlan of the
+same step for every input :class:`KernelPlan` gives the C++ step; the draft's own modules
+(and the Python loop over the same ops) for the block pass run as one C++ program, bit for
+bit; ``F.linear`` over the (dequantized) weights for the packed ``fc``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dspark_fixtures import make_random_draft
+from serve_fixtures import torch_threads, write_tiny_chat_model
+
+from edgebuild.models import common
+from edgebuild.models.common import PagedBatch
+from edgebuild.ops import attention_fast, f32_linear
+from edgebuild.ops.attention_fast import DensePlan, KernelPlan
+from edgebuild.ops.linear import dequantize_int4, quantize_int4
+from edgebuild.runtime.llm import LLM, RuntimeOptions
+from edgebuild.runtime.torch_backend import make_batch
+
+kernels = pytest.mark.skipif(
+    not f32_linear.available(), reason="edgebuild's AVX2 kernels do not run on this CPU"
+)
+
+
+def sorted_topk(x: torch.Tensor, k: int):
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
+@kernels
+@pytest.mark.parametrize("k", [1, 3, 16, 64])
+def test_topk_is_a_stable_descending_sort_cut_to_k(k):
+    g = torch.Generator().manual_seed(k)
+    rows = [
+        torch.randn(49152, generator=g),  # a vocabulary row
+        torch.randint(0, 4, (1000,), generator=g).float(),  # ties everywhere
+        torch.full((300,), float("-inf")),
+        torch.arange(700.0),  # ascending: every entry beats the bar
+        torch.arange(700.0).flip(0),
+    ]
+    for x in rows:
+        x = x.clone()
+        if x.numel() > 200:
+            x[[5, 150]] = float("nan")  # NaN ranks above every number, as in torch.sort
+            x[77] = float("inf")
+        v, i = f32_linear.topk(x[None], k)
+        rv, ri = sorted_topk(x[None], k)
+        assert torch.equal(i, ri)
+        torch.testing.assert_close(v, rv, equal_nan=True, atol=0, rtol=0)
+    x = torch.randn(2, 3, 500, generator=g)  # any leading shape
+    v, i = f32_linear.topk(x, k)
+    assert v.shape == i.shape == (2, 3, k)
+    assert torch.equal(i, sorted_topk(x, k)[1])
+
+
+def test_topk_without_the_kernel_gives_the_same_order(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 50, (4, 2000), generator=g).float()  # ties inside the k kept
+    x[:, 0] = 1000.0  # ... but a unique k-th value: the same entries are kept
+    monkeypatch.setattr(f32_linear, "available", lambda: False)
+    v, i = f32_linear.topk(x, 1)
+    assert torch.equal(i, sorted_topk(x, 1)[1])
+    x = torch.randn(4, 2000, generator=g)
+    x[:, 100:110] = 9.0  # ten tied entries, all kept
+    v, i = f32_linear.topk(x, 12)
+    rv, ri = sorted_topk(x, 12)
+    assert torch.equal(i, ri) and torch.equal(v, rv)
+    with pytest.raises(ValueError, match="k must be in 1..2000"):
+        f32_linear.topk(x, 0)
+
+
+def _batch(g, bsz, rows, page_size, full):
+    pages = 12
+    table = torch.randperm(bsz * pages, generator=g).view(bsz, pages).to(torch.int32)
+    past = torch.randint(0, 40, (bsz,), generator=g).to(torch.int32)
+    if full:
+        lengths = torch.full((bsz,), rows, dtype=torch.int32)
+    else:
+        lengths = torch.randint(1, rows + 1, (bsz,), generator=g).to(torch.int32)
+    positions = (past[:, None] + torch.arange(rows)[None, :]).to(torch.int32)
+    return table, past, lengths, positions
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("full", [True, False])
+def test_kernel_plan_gives_the_c_step_what_the_dense_plan_gives(window, full):
+    """Decode / verify steps, write-only context updates (up to 40 rows) and block passes:
+    every input of decode_step equal to the DensePlan's, padding rows and windows too."""
+    g = torch.Generator().manual_seed(window + 10 * full)
+    table_rope = torch.randn(256, 16)
+    for bsz in (1, 3):
+        for rows, causal, write in [(1, True, True), (8, True, True), (40, True, True),
+                                    (7, False, False)]:  # fmt: skip
+            pt, past, lengths, pos = _batch(g, bsz, rows, 8, full)
+            dense = DensePlan.build(pt, past, lengths, rows, 8, causal, write)
+            light = KernelPlan.build(pt, past, lengths, rows, 8, causal, write)
+            if write and rows > attention_fast.ROW_INVARIANT_MAX_ROWS:  # write-only: no masks
+                want = attention_fast._step_rows(dense, pos, table_rope)
+                got = attention_fast._step_rows(light, pos, table_rope)
+            elif write:
+                want = attention_fast.fused_step_args(dense, pos, table_rope, window)
+                got = attention_fast.fused_step_args(light, pos, table_rope, window)
+            else:
+                want = attention_fast.block_step_args(dense, pos, table_rope, window)
+                got = attention_fast.block_step_args(light, pos, table_rope, window)
+            assert len(got) == len(want)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (bsz, rows, causal)
+    pt, past, lengths, _ = _batch(g, 1, 4, 8, True)
+    with pytest.raises(ValueError, match="page_table covers 96 slots"):
+        KernelPlan.build(pt, torch.tensor([95], dtype=torch.int32), lengths, 4, 8, True, True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = write_tiny_chat_model(root / "tiny")
+    return target, make_random_draft(root / "draft", target, num_layers=2, block_size=5)
+
+
+def loaded_draft(pair, quant):
+    target, draft = pair
+    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 4,
+            "quantization": quant}  # fmt: skip
+    opts = RuntimeOptions(dtype=torch.float32, max_kv_rows=512, page_size=8)
+    return LLM(target, speculative=spec, options=opts).draft
+
+
+@kernels
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_the_block_program_equals_the_modules_bit_for_bit(pair, quant, monkeypatch):
+    with torch_threads(1):
+        draft = loaded_draft(pair, quant)
+        model = draft.model
+        program = model.block_program
+        assert program is not None and program.block
+        runs = []
+        real = program.run
+        monkeypatch.setattr(program, "run", lambda *a, **k: runs.append(1) or real(*a, **k))
+        g = torch.Generator().manual_seed(0)
+        seqs = [draft.new_sequence() for _ in range(3)]
+        width = model.fc.in_features
+        draft.update_context(seqs, [torch.randn(n, width, generator=g) for n in (3, 9, 1)])
+        bs = model.config.block_size
+        ids = model.block_input_ids(torch.tensor([5, 17, 2]))
+
+        def block():
+            batch = make_batch(draft.allocator, seqs, [bs] * len(seqs))
+            try:
+                return model.block_forward(ids, draft.pools, batch)
+            finally:
+                for s in seqs:
+                    draft.allocator.truncate(s, s.length)
+
+        got = block()
+        assert runs == [1]  # the program ran
+        monkeypatch.setattr(common, "CPP_LAYERS", False)
+        loop = block()  # the Python loop over the same op calls
+        model.block_program = None
+        want = block()  # the modules
+        assert runs == [1, 1]
+    assert torch.equal(got, want) and torch.equal(loop, want)
+    assert got.abs().sum() > 0
+
+
+@kernels
+def test_the_program_declines_a_block_it_cannot_run(pair):
+    with torch_threads(1):
+        draft = loaded_draft(pair, "int4")
+        model = draft.model
+        x = torch.zeros(1, 20, model.config.hidden_size)  # more rows than a row-invariant step
+        batch = PagedBatch(
+            page_table=torch.zeros(1, 4, dtype=torch.int32),
+            past_lengths=torch.zeros(1, dtype=torch.int32),
+            input_lengths=torch.tensor([20], dtype=torch.int32),
+            positions=torch.arange(20, dtype=torch.int32)[None],
+        )
+        assert model.block_program.plan_for(x, draft.pools, batch) is None
+        batch.input_lengths = torch.tensor([3], dtype=torch.int32)  # padding rows
+        assert model.block_program.plan_for(x[:, :4], draft.pools, batch) is None
+
+
+@kernels
+@pytest.mark.parametrize("quant", ["none", "int4", "int8"])
+def test_fc_packing_keeps_the_features_in_fp32(pair, quant):
+    """fc takes the target's features as they are (spec §2.7: they can exceed 2e4): fp32
+    weights on the fp32 kernel, int4 weights on the int4 kernel with fp32 inputs (no int8
+    activations), int8 unpacked (F.linear)."""
+    with torch_threads(1):
+        model = loaded_draft(pair, quant).model
+        fc = model.packed_fc
+        if quant == "int8":
+            assert fc is None
+            return
+        assert fc.quant == (None if quant == "none" else "int4") and not fc.int4_a8
+        g = torch.Generator().manual_seed(1)
+        feats = torch.randn(2, 3, model.fc.in_features, generator=g)
+        feats[0, 1, 7] = 3e4  # an outlier that int8 activations would crush the row with
+        w = model.fc.weight.float()
+        if quant == "int4":
+            w = dequantize_int4(*quantize_int4(w))  # the weights the kernel computes with
+        want = model.hidden_norm(F.linear(feats, w))
+        got = model.project_context(feats)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
