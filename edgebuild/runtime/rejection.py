@@ -88,8 +88,11 @@ def verify_batch(
     counts = [len(p) for p in proposals]
     batch = len(proposals)
     if not any(counts) and all(p.greedy for p in params):  # a draft-less greedy step: the
-        # argmax of each anchor row, as below (first index on ties), without the batch ops
-        return [Verdict(0, int(lg[0].argmax())) for lg in logits]
+        # argmax of each anchor row, as below (first index on ties), without the batch ops;
+        # along dim -1 of a [1, V] row: a whole-tensor argmax runs an OpenMP region at two
+        # threads, whose spinning worker then took the core the next pass's kernel pool
+        # needed (a draft-less DSpark step 3-5% slower than target-only's at int4)
+        return [Verdict(0, int(lg[:1].argmax(-1))) for lg in logits]
     flat = torch.cat([lg.float() for lg in logits]) if batch > 1 else logits[0].float()
     cu = torch.tensor([n + 1 for n in counts]).cumsum(0)  # cu_num_draft_tokens, bonus rows in
     starts = cu - torch.tensor(counts) - 1  # row of each request's anchor

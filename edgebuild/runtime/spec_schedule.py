@@ -96,6 +96,10 @@ class StepCosts:
     decode_scale: float = 1.0  # online correction of a draft-less step: measured / profiled
     spec_scale: float = 1.0  # ... of a drafting step (draft + verify + the decoder's own work)
     draftless_run: int = 0  # draft-less steps observed since the last drafting step
+    # _grid's values by (table, batch, width): the tables are not changed after construction
+    # (only the scales do), and a step asks for the same few points (~30 interpolations a
+    # step, ~2% of an int4 SmolLM2 token)
+    _grid_memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if (
@@ -126,9 +130,14 @@ class StepCosts:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         raise AssertionError("unreachable")
 
-    def _grid(self, table: list[list[float]], batch: int, width: float) -> float:
-        per_b = [self._interp(self.widths, row, width) for row in table]
-        return max(0.0, self._interp(self.batch_sizes, per_b, batch))
+    def _grid(self, name: str, batch: int, width: float) -> float:
+        """Table ``name`` (verify / draft) at (batch, width), interpolated."""
+        key = (name, batch, width)
+        got = self._grid_memo.get(key)
+        if got is None:
+            per_b = [self._interp(self.widths, row, width) for row in getattr(self, name)]
+            got = self._grid_memo[key] = max(0.0, self._interp(self.batch_sizes, per_b, batch))
+        return got
 
     def verify_s(self, rows: Sequence[int]) -> float:
         """Profiled seconds of one target pass with ``rows[b]`` new rows for sequence b."""
@@ -136,7 +145,7 @@ class StepCosts:
         if batch == 0:
             return 0.0
         mean = sum(rows) / batch
-        base = self._grid(self.verify, batch, mean)
+        base = self._grid("verify", batch, mean)
         extra = self._interp(self.batch_sizes, self.ragged, batch) * (max(rows) - mean)
         return base + max(0.0, extra)
 
@@ -145,7 +154,7 @@ class StepCosts:
         rows each (0 when nothing is drafted: the pass is skipped)."""
         if batch == 0 or drafted <= 0:
             return 0.0
-        return self._grid(self.draft, batch, drafted + 1)
+        return self._grid("draft", batch, drafted + 1)
 
     def step_s(self, rows: Sequence[int], drafted: int) -> float:
         """Predicted wall seconds of a whole decoder step: a plain decode pass when nothing
@@ -365,26 +374,24 @@ class ConfidenceScheduler:
                 else the rows the draft pass drafted (its cost is then fixed).
         """
         batch = len(profiles)
-        ranked = sorted(
-            (
-                (p, b, k)
-                for b, prof in enumerate(profiles)
-                for k, p in enumerate(prof[: budgets[b]])
-            ),
-            key=lambda t: -t[0],
-        )
         lengths = [0] * batch
         best = self._evaluate(lengths, float(batch), draft_rows)
         best_rate = best.expected_tokens / best.predicted_s
-        if not ranked:
+        gains = [prof[: budgets[b]] for b, prof in enumerate(profiles)]
+        if not any(gains):
             return best
-        # No drafting choice beats its cheapest version with every position's gain: skip fast.
-        total = batch + sum(p for p, _, _ in ranked)
+        # No drafting choice beats its cheapest version with every position's gain: skip fast
+        # (before ranking: most steps of a scheduler that does not draft end here).
+        total = batch + sum(sum(g) for g in gains)
         cheapest = self.costs.step_s([2] + [1] * (batch - 1), draft_rows or 1)
         if draft_rows is None:
             cheapest *= 1.0 + draft_margin(batch)
         if total / cheapest <= best_rate:
             return best
+        ranked = sorted(
+            ((p, b, k) for b, g in enumerate(gains) for k, p in enumerate(g)),
+            key=lambda t: -t[0],
+        )
         suffix = [0.0] * (len(ranked) + 1)
         for i in range(len(ranked) - 1, -1, -1):
             suffix[i] = suffix[i + 1] + ranked[i][0]
