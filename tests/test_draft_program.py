@@ -207,3 +207,30 @@ def test_fc_packing_keeps_the_features_in_fp32(pair, quant):
         want = model.hidden_norm(F.linear(feats, w))
         got = model.project_context(feats)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_the_greedy_walk_equals_the_slot_by_slot_walk(monkeypatch):
+    """The greedy batch's walk (a few ops) against the slot-by-slot walk it replaces (forced
+    through a grammar-free constraint list), ties included: the same tokens, q, confidences."""
+    from edgebuild.runtime import markov_walk
+    from edgebuild.runtime.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    batch, n, k = 4, 6, 8
+    cand = torch.randint(0, 1000, (batch, n, k), generator=g)
+    scores = torch.randint(0, 3, (batch, n, k, k), generator=g).float()  # many ties
+    conf = torch.rand(batch, n, k, generator=g)
+    greedy = [SamplingParams(temperature=0.0)] * batch
+    gens = [torch.Generator() for _ in range(batch)]
+    for counts in ([6, 6, 6, 6], [0, 3, 6, 1]):
+        for c in (conf, None):
+            fast = markov_walk.walk_lattice(cand, scores, c, counts, greedy, gens)
+            slow = markov_walk.walk_lattice(cand, scores, c, counts, greedy, gens, [None] * batch)
+            for a, b in zip(fast, slow, strict=True):
+                assert a.tokens == b.tokens
+                assert torch.equal(a.q, b.q) and torch.equal(a.q_ids, b.q_ids)
+                assert torch.equal(a.confidence, b.confidence)
+    calls = []
+    monkeypatch.setattr(markov_walk, "_walk_greedy", lambda *a: calls.append(1))
+    markov_walk.walk_lattice(cand, scores, conf, [2] * batch, greedy, gens)
+    assert calls == [1]  # the greedy batch took the fast path
