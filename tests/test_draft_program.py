@@ -8,6 +8,8 @@ bit; ``F.linear`` over the (dequantized) weights for the packed ``fc``.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,13 @@ def test_topk_is_a_stable_descending_sort_cut_to_k(k):
     v, i = f32_linear.topk(x, k)
     assert v.shape == i.shape == (2, 3, k)
     assert torch.equal(i, sorted_topk(x, k)[1])
+    x = torch.randn(40, 3000, generator=g)  # rows split across the kernel pool's threads
+    x[3] = float("nan")  # an all-NaN row: its first k indices
+    with torch_threads(2):
+        got = f32_linear.topk(x, k)[1]
+    assert torch.equal(got, sorted_topk(x, k)[1])
+    x = torch.randint(0, 3, (2, k + 5), generator=g).float()
+    assert torch.equal(f32_linear.topk(x, k + 5)[1], sorted_topk(x, k + 5)[1])  # k == V
 
 
 def test_topk_without_the_kernel_gives_the_same_order(monkeypatch):
@@ -80,8 +89,10 @@ def _batch(g, bsz, rows, page_size, full):
     past = torch.randint(0, 40, (bsz,), generator=g).to(torch.int32)
     if full:
         lengths = torch.full((bsz,), rows, dtype=torch.int32)
-    else:
+    else:  # padding rows, an empty sequence (a ring update's), more lengths than rows
         lengths = torch.randint(1, rows + 1, (bsz,), generator=g).to(torch.int32)
+        if bsz > 1:
+            lengths[0], lengths[-1] = 0, rows + 2
     positions = (past[:, None] + torch.arange(rows)[None, :]).to(torch.int32)
     return table, past, lengths, positions
 
@@ -114,6 +125,53 @@ def test_kernel_plan_gives_the_c_step_what_the_dense_plan_gives(window, full):
     pt, past, lengths, _ = _batch(g, 1, 4, 8, True)
     with pytest.raises(ValueError, match="page_table covers 96 slots"):
         KernelPlan.build(pt, torch.tensor([95], dtype=torch.int32), lengths, 4, 8, True, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_route_names_the_steps_the_planned_attention_sends_to_the_kernel(dtype, monkeypatch):
+    """kernel_route against what paged_attention_planned does with a DensePlan: the steps
+    it runs through the C++ step, and only those (causal or not, written or not, with or
+    without output, prefill, row counts around ROW_INVARIANT_MAX_ROWS, strided input)."""
+    from edgebuild.ops import attention_kernel
+    from edgebuild.ops.attention import AttentionSpec
+
+    if not attention_kernel.available():
+        pytest.skip("edgebuild's attention kernel does not build here")
+
+    class Ran(Exception):
+        pass
+
+    def kernel(*a, **k):
+        raise Ran
+
+    monkeypatch.setattr(attention_kernel, "decode_step", kernel)
+    hq, hkv, d, ps = 4, 2, 16, 8
+    cache = torch.zeros(32, 2, hkv, ps, d, dtype=dtype)
+    table = torch.randn(512, d)
+    for causal, write, want, prefill, rows, strided in itertools.product(
+        (True, False), (True, False), (True, False), (True, False), (1, 16, 17, 40),
+        (False, True),
+    ):  # fmt: skip
+        if not write and not want:
+            continue  # nothing to do: no caller
+        pt = torch.arange(24, dtype=torch.int32).view(2, 12)
+        past, lengths = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([rows, 1])
+        qkv = torch.randn(2, rows, (hq + 2 * hkv) * d + 8 * strided).to(dtype)
+        qkv = qkv[..., : (hq + 2 * hkv) * d]  # strided: a view that is not contiguous
+        pos = (past[:, None] + torch.arange(rows)[None, :]).to(torch.int32)
+        spec = AttentionSpec(hq, hkv, d, causal=causal, write_kv=write, scale=0.25)
+        plan = DensePlan.build(pt, past, lengths.to(torch.int32), rows, ps, causal, write, prefill)
+        try:
+            attention_fast.paged_attention_planned(
+                qkv, cache.clone(), plan, pos, table, None, None, spec, want
+            )
+            ran = False
+        except Ran:
+            ran = True
+        routed = attention_fast.kernel_route(qkv, cache, d, rows, causal, write, prefill, want)
+        # a causal step that writes nothing (no caller) keeps the DensePlan: its block masks
+        # are causal, KernelPlan's are not
+        assert routed == (ran and not (causal and not write)), (causal, write, want, prefill, rows)
 
 
 @pytest.fixture(scope="module")

@@ -104,8 +104,10 @@ def attention(
     rotary_dim / page_size come from `rope_table` / `kv_cache` when unset).
 
     Under torch.export / compile the custom op `edgebuild::paged_attention` is emitted (it
-    becomes the plugin node); eagerly the vectorized DensePlan path runs (same results,
-    tested against the reference op). Returns [B, S, Hq * D] (None if not want_output).
+    becomes the plugin node); eagerly the vectorized path runs (same results, tested against
+    the reference op), planned by a :class:`~edgebuild.ops.attention_fast.KernelPlan` where the
+    step goes to the C++ step (:func:`~edgebuild.ops.attention_fast.kernel_route`), else by a
+    DensePlan. Returns [B, S, Hq * D] (None if not want_output).
     """
     if torch.compiler.is_exporting() or torch.compiler.is_compiling():
         from edgebuild.ops.attention import paged_attention
@@ -249,7 +251,8 @@ CPP_LAYERS = True
 
 
 class FusedLayers:
-    """A decode / verify step's pre-norm decoder layers as flat kernel calls.
+    """A decode / verify step's pre-norm decoder layers as flat kernel calls (or, built with
+    ``block=True``, a DSpark draft's block pass: :meth:`build`).
 
     What :class:`PreNormDecoderLayer` computes through its modules, for a step whose every
     linear runs on edgebuild's fp32 / int4 kernels (:meth:`~edgebuild.ops.linear.PackedLinear.
@@ -311,7 +314,10 @@ class FusedLayers:
         ``block``: the program of a DSpark draft's block pass instead (the attentions'
         ``block_spec``: non-causal, nothing written; :meth:`edgebuild.models.dspark.
         DSparkDraft.block_forward`): each layer's attention is ``decode_step`` with the
-        block's masks (:func:`edgebuild.ops.attention_fast.block_step_args`)."""
+        block's masks (:func:`edgebuild.ops.attention_fast.block_step_args`).
+
+        The program binds the layers' packed weights and attention settings (heads, window,
+        scale, norms) as they are now: rebuild it after changing a layer's spec or packing."""
         program = []
         for layer in layers:
             sa, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)

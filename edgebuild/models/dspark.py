@@ -378,7 +378,10 @@ class DSparkDraft(nn.Module):
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """``C = hidden_norm(fc(F))``: ``[B, M, n_t*d]`` -> ``[B, M, d]`` in the model dtype.
 
-        fc runs in fp32 whatever the model dtype: target features can exceed 2e4 (spec §2.7).
+        fc takes the features in fp32 whatever the model dtype: target features can exceed
+        2e4 (spec §2.7). Its weights are the checkpoint's, or packed as the draft's other
+        linears where the kernel keeps fp32 inputs (an int4 draft: int4 weights, fp32
+        inputs; :meth:`pack_for_cpu`).
         """
         if features.shape[-1] != self.fc.in_features:
             raise ValueError(

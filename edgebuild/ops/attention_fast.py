@@ -182,7 +182,7 @@ class KernelPlan:
     (``write_b``, ``write_i``), where each goes in the pool (``write_pages``,
     ``write_offsets``, int64 [R]), the page table (int64 [B, pages]) and, for the steps that
     attend, each row's key columns (:meth:`row_masks`). The same values as the DensePlan of
-    the step (tests/test_attention_fast.py); a DensePlan of a 1-row decode took ~0.2 ms to
+    the step (tests/test_draft_program.py); a DensePlan of a 1-row decode took ~0.2 ms to
     build, ~4% of an int4 SmolLM2 token. Built by :meth:`build` for the steps
     :func:`kernel_route` sends to the C++ step: decode / verify (row-invariant), a DSpark
     draft's context update (write-only) and its block pass (non-causal, nothing written).
@@ -271,7 +271,8 @@ def kernel_route(
     """Whether :func:`paged_attention_planned` runs this step as the C++ step (then a
     :class:`KernelPlan` serves it): a row-invariant decode / verify, a draft's write-only
     context update or its few-row block pass, with the kernel usable here (the routing of
-    :func:`_decode_step`, :func:`_kernel_takes` and :func:`_draft_step_here`)."""
+    :func:`_decode_step`, :func:`_kernel_takes` and :func:`_draft_step_here`). A causal step
+    that writes nothing (no caller) is left to the DensePlan, whose block masks are causal."""
     if not (
         FUSED_STEP
         and qkv.is_contiguous()
@@ -283,13 +284,13 @@ def kernel_route(
         return True
     if write_kv:  # decode / verify
         return causal and rows <= ROW_INVARIANT_MAX_ROWS and not prefill
-    return want_output and rows <= ROW_INVARIANT_MAX_ROWS  # a block pass
+    return want_output and not causal and rows <= ROW_INVARIANT_MAX_ROWS  # a block pass
 
 
 def paged_attention_planned(
     qkv: Tensor,  # [B, S, (Hq + 2*Hkv) * D]
     kv_cache: Tensor,  # [num_pages, 2, Hkv, page_size, D], updated in place when write_kv
-    plan: DensePlan,
+    plan: DensePlan | KernelPlan,
     positions: Tensor,  # int [B, S]
     rope_cos_sin: Tensor,  # fp32 [max_position, rotary_dim]
     q_norm_weight: Tensor | None,
@@ -374,7 +375,9 @@ def paged_attention_planned(
 FUSED_STEP = True
 
 
-def _rope_rows(plan: DensePlan, positions: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+def _rope_rows(
+    plan: DensePlan | KernelPlan, positions: Tensor, table: Tensor
+) -> tuple[Tensor, Tensor]:
     """(cos, sin) fp32 [B, S, 1, rotary_dim / 2] of this step's positions, built once a step."""
     key = ("rope", table.data_ptr(), tuple(table.shape))
     rows = plan._memo.get(key)
@@ -452,7 +455,7 @@ def _decode_step(
     return _sdpa_rows(qk, kv_cache, plan, mask, out, hq, scale)
 
 
-def _kernel_takes(heads: Tensor, kv_cache: Tensor, plan: DensePlan) -> bool:
+def _kernel_takes(heads: Tensor, kv_cache: Tensor, plan: DensePlan | KernelPlan) -> bool:
     """Whether :func:`edgebuild.ops.attention_kernel.decode_step` runs this step here."""
     return (
         FUSED_STEP
@@ -462,7 +465,9 @@ def _kernel_takes(heads: Tensor, kv_cache: Tensor, plan: DensePlan) -> bool:
     )
 
 
-def _draft_step_here(heads: Tensor, kv_cache: Tensor, plan: DensePlan, want_output: bool) -> bool:
+def _draft_step_here(
+    heads: Tensor, kv_cache: Tensor, plan: DensePlan | KernelPlan, want_output: bool
+) -> bool:
     """Whether :func:`_kernel_step` runs this step: a write-only context update of few rows
     (no output, any row count, so that a context row's cached K never depends on the other
     sequences of the update) or a non-causal block of few rows that writes nothing."""
@@ -473,7 +478,7 @@ def _draft_step_here(heads: Tensor, kv_cache: Tensor, plan: DensePlan, want_outp
 
 
 def _fused_step(
-    heads: Tensor, kv_cache: Tensor, plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor,
+    heads: Tensor, kv_cache: Tensor, plan: DensePlan | KernelPlan, positions: Tensor, rope_cos_sin: Tensor,
     hq: int, sliding_window: int, scale: float, q_norm_weight: Tensor | None = None,
     k_norm_weight: Tensor | None = None, eps: float = 0.0,
 ) -> Tensor:  # fmt: skip
@@ -500,7 +505,7 @@ def _scatter_rows(o: Tensor, heads: Tensor, wb: Tensor, wi: Tensor, hq: int) -> 
 
 
 def _kernel_step(
-    heads: Tensor, kv_cache: Tensor, plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor,
+    heads: Tensor, kv_cache: Tensor, plan: DensePlan | KernelPlan, positions: Tensor, rope_cos_sin: Tensor,
     q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, spec: AttentionSpec,
     want_output: bool,
 ) -> Tensor | None:  # fmt: skip
@@ -527,7 +532,7 @@ def _kernel_step(
 
 
 def block_step_args(
-    plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor, sliding_window: int
+    plan: DensePlan | KernelPlan, positions: Tensor, rope_cos_sin: Tensor, sliding_window: int
 ) -> tuple[Tensor, ...]:
     """A DSpark draft block pass's inputs of :func:`edgebuild.ops.attention_kernel.decode_step`
     (a plan that writes nothing, non-causal): ``(cos, sin, write_b, write_i, write_pages,
@@ -550,7 +555,9 @@ def block_step_args(
     return args
 
 
-def _cos_sin(plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+def _cos_sin(
+    plan: DensePlan | KernelPlan, positions: Tensor, rope_cos_sin: Tensor
+) -> tuple[Tensor, Tensor]:
     """fp32 contiguous [B, S, rotary_dim / 2] cos and sin of the step's rows."""
     if rope_cos_sin.shape[1]:
         return tuple(t.squeeze(2).contiguous() for t in _rope_rows(plan, positions, rope_cos_sin))
@@ -560,7 +567,7 @@ def _cos_sin(plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor) -> tuple[
 
 
 def fused_step_args(
-    plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor, sliding_window: int
+    plan: DensePlan | KernelPlan, positions: Tensor, rope_cos_sin: Tensor, sliding_window: int
 ) -> tuple[Tensor, ...]:
     """The step's inputs of :func:`edgebuild.ops.attention_kernel.decode_step` after
     ``heads`` and the cache: ``(cos, sin, write_b, write_i, write_pages, write_offsets,
@@ -573,7 +580,9 @@ def fused_step_args(
     return args
 
 
-def _step_rows(plan: DensePlan, positions: Tensor, rope_cos_sin: Tensor) -> tuple[Tensor, ...]:
+def _step_rows(
+    plan: DensePlan | KernelPlan, positions: Tensor, rope_cos_sin: Tensor
+) -> tuple[Tensor, ...]:
     """``(cos, sin, write_b, write_i, write_pages, write_offsets, page_table)`` of the step's
     valid rows (memoized on the plan): :func:`fused_step_args` without the mask."""
     key = ("rows", rope_cos_sin.data_ptr(), tuple(rope_cos_sin.shape))

@@ -310,7 +310,9 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     against ~90 us for ``torch.topk`` at one thread); elsewhere ``torch.topk`` with its k
     entries put in that order (the same result, except which of several values tied at the
     k-th place are kept). The DSpark draft's top-k lattice uses it
-    (:meth:`edgebuild.models.dspark.DSparkDraft.lattice`).
+    (:meth:`edgebuild.models.dspark.DSparkDraft.lattice`); the exported draft graph keeps
+    ``TopK`` (its order among tied logits is TensorRT's), so the torch and engine drafts may
+    propose differently at exact ties (verification keeps the output the target's).
 
     Raises:
         ValueError: ``k`` outside ``1..V``.
@@ -318,7 +320,7 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     vocab = x.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"topk: k must be in 1..{vocab}, got {k}")
-    if x.dtype == torch.float32 and x.numel() and available():
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() and available():
         vals, idx = torch.ops.edgebuild_f32.topk_rows(x.reshape(-1, vocab), k)
         return vals.view(*x.shape[:-1], k), idx.view(*x.shape[:-1], k)
     vals, idx = x.topk(k, dim=-1)

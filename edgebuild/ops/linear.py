@@ -123,6 +123,10 @@ class PackedLinear:
             )
         else:
             self.bias = None
+        if int4_activations not in (None, "int8", "fp32"):
+            raise ValueError(
+                f"PackedLinear: int4_activations {int4_activations!r} is not int8 or fp32"
+            )
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"PackedLinear: quant {quant!r} is not one of {QUANT_MODES}")
         self.quant = quant

@@ -99,7 +99,7 @@ class StepCosts:
     # _grid's values by (table, batch, width): the tables are not changed after construction
     # (only the scales do), and a step asks for the same few points (~30 interpolations a
     # step, ~2% of an int4 SmolLM2 token)
-    _grid_memo: dict = field(default_factory=dict, repr=False, compare=False)
+    _grid_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if (
@@ -382,7 +382,7 @@ class ConfidenceScheduler:
             return best
         # No drafting choice beats its cheapest version with every position's gain: skip fast
         # (before ranking: most steps of a scheduler that does not draft end here).
-        total = batch + sum(sum(g) for g in gains)
+        total = batch + sum(sorted((p for g in gains for p in g), reverse=True))  # ranked order
         cheapest = self.costs.step_s([2] + [1] * (batch - 1), draft_rows or 1)
         if draft_rows is None:
             cheapest *= 1.0 + draft_margin(batch)
