@@ -109,7 +109,7 @@ def test_kernel_plan_gives_the_c_step_what_the_dense_plan_gives(window, full):
                                     (7, False, False)]:  # fmt: skip
             pt, past, lengths, pos = _batch(g, bsz, rows, 8, full)
             dense = DensePlan.build(pt, past, lengths, rows, 8, causal, write)
-            light = KernelPlan.build(pt, past, lengths, rows, 8, causal, write)
+            light = KernelPlan.build(PagedBatch(pt, past, lengths, pos), rows, 8, causal, write)
             if write and rows > attention_fast.ROW_INVARIANT_MAX_ROWS:  # write-only: no masks
                 want = attention_fast._step_rows(dense, pos, table_rope)
                 got = attention_fast._step_rows(light, pos, table_rope)
@@ -122,9 +122,10 @@ def test_kernel_plan_gives_the_c_step_what_the_dense_plan_gives(window, full):
             assert len(got) == len(want)
             for a, b in zip(got, want, strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b), (bsz, rows, causal)
-    pt, past, lengths, _ = _batch(g, 1, 4, 8, True)
+    pt, past, lengths, pos = _batch(g, 1, 4, 8, True)
     with pytest.raises(ValueError, match="page_table covers 96 slots"):
-        KernelPlan.build(pt, torch.tensor([95], dtype=torch.int32), lengths, 4, 8, True, True)
+        over = PagedBatch(pt, torch.tensor([95], dtype=torch.int32), lengths, pos[:, :4])
+        KernelPlan.build(over, 4, 8, True, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -81,10 +81,7 @@ class PagedBatch:
 
         key = ("kernel", rows, page_size, causal, write_kv)
         if key not in self._plans:
-            self._plans[key] = KernelPlan.build(
-                self.page_table, self.past_lengths, self.input_lengths, rows, page_size,
-                causal, write_kv,
-            )  # fmt: skip
+            self._plans[key] = KernelPlan.build(self, rows, page_size, causal, write_kv)
         return self._plans[key]
 
 

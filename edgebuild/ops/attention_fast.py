@@ -110,12 +110,8 @@ class DensePlan:
         valid = ar_s[None, :] < length[:, None]  # [B, S]
         query_slots = past[:, None] + ar_s[None, :]  # [B, S]
         cover = (past + length) if write_kv else past
-        capacity = page_table.shape[1] * page_size
-        if bsz and int(cover.max()) > capacity:
-            raise ValueError(
-                f"paged_attention: page_table covers {capacity} slots but a sequence needs "
-                f"{int(cover.max())}; allocate more pages for the sequence"
-            )
+        if bsz:
+            _check_covered(page_table, page_size, int(cover.max()))
         table = page_table.long()
         wb, wi = valid.nonzero(as_tuple=True)
         wslots = query_slots[wb, wi]
@@ -202,28 +198,16 @@ class KernelPlan:
     _memo: dict = field(default_factory=dict)
 
     @classmethod
-    def build(
-        cls,
-        page_table: Tensor,  # int32 [B, max_pages]
-        past_lengths: Tensor,  # int32 [B]
-        input_lengths: Tensor,  # int32 [B]
-        rows: int,  # S
-        page_size: int,
-        causal: bool,
-        write_kv: bool,
-    ) -> KernelPlan:
-        """Plan a step of the kinds above (B >= 1); raises ValueError as :meth:`DensePlan.build`
-        when the page table cannot hold the rows."""
+    def build(cls, batch, rows: int, page_size: int, causal: bool, write_kv: bool) -> KernelPlan:
+        """Plan a step of the kinds above: ``batch`` a :class:`~edgebuild.models.common.
+        PagedBatch` (its int32 ``page_table [B >= 1, pages]``, ``past_lengths`` and
+        ``input_lengths [B]``), ``rows`` S. Raises ValueError as :meth:`DensePlan.build` when
+        the page table cannot hold the rows."""
+        page_table = batch.page_table
         bsz = page_table.shape[0]
-        past, length = past_lengths.long(), input_lengths.long()
-        cover = (past + length) if write_kv else past
-        capacity = page_table.shape[1] * page_size
-        top = int(cover.max())
-        if top > capacity:
-            raise ValueError(
-                f"paged_attention: page_table covers {capacity} slots but a sequence needs "
-                f"{top}; allocate more pages for the sequence"
-            )
+        past, length = batch.past_lengths.long(), batch.input_lengths.long()
+        top = int(((past + length) if write_kv else past).max())
+        _check_covered(page_table, page_size, top)
         if int(length.min()) >= rows:  # every row valid: no nonzero
             wb = torch.arange(bsz).repeat_interleave(rows)
             wi = torch.arange(rows).repeat(bsz)
@@ -262,6 +246,16 @@ class KernelPlan:
         if sliding_window > 0:
             m = m & ((self.write_i[:, None] - j) < sliding_window)
         return m
+
+
+def _check_covered(page_table: Tensor, page_size: int, needed: int) -> None:
+    """Raise ValueError when ``page_table [B, pages]`` holds fewer than ``needed`` slots."""
+    capacity = page_table.shape[1] * page_size
+    if needed > capacity:
+        raise ValueError(
+            f"paged_attention: page_table covers {capacity} slots but a sequence needs "
+            f"{needed}; allocate more pages for the sequence"
+        )
 
 
 def kernel_route(
