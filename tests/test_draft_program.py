@@ -293,3 +293,18 @@ def test_the_greedy_walk_equals_the_slot_by_slot_walk(monkeypatch):
     monkeypatch.setattr(markov_walk, "_walk_greedy", lambda *a: calls.append(1))
     markov_walk.walk_lattice(cand, scores, conf, [2] * batch, greedy, gens)
     assert calls == [1]  # the greedy batch took the fast path
+
+
+@kernels
+def test_argmax_is_torchs_first_max_and_first_nan():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 5, (6, 49152), generator=g).float()  # ties: the first index wins
+    x[1, 30000] = float("nan")
+    x[1, 40000] = float("nan")  # the first NaN
+    x[2] = float("-inf")
+    x[3, 7] = float("inf")
+    x[4] = torch.randn(49152, generator=g)
+    assert torch.equal(f32_linear.argmax(x), x.argmax(-1))
+    assert torch.equal(f32_linear.argmax(x[:1]), x[:1].argmax(-1))
+    assert torch.equal(f32_linear.argmax(x[4]), x[4].argmax(-1))  # one row [V]
+    assert f32_linear.argmax(x[:, ::2]).tolist() == x[:, ::2].argmax(-1).tolist()  # strided

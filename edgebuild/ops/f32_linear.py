@@ -327,3 +327,18 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx, order = idx.sort(dim=-1)  # ascending index, then a stable sort by value
     vals, order2 = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
     return vals, idx.gather(-1, order2)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of fp32 ``x [..., V]`` (int64 ``[...]``): the first index of the
+    largest value, of the first NaN where there is one (torch's rule).
+
+    Where edgebuild's kernel runs, :func:`topk` with k = 1 (the same rule: a stable descending
+    order, NaN first): a SmolLM2 logits row in ~17 us against torch's ~55, and on edgebuild's
+    thread pool, where torch's reduction ran an OpenMP region at two threads whose spinning
+    worker then competed with the pool for the next pass's core (bench/README.md). Elsewhere
+    ``torch.argmax``.
+    """
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() and available():
+        return topk(x, 1)[1][..., 0]
+    return x.argmax(-1)

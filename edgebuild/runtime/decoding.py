@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edgebuild.ops import f32_linear
 from edgebuild.runtime.backend import DraftBackend, MultimodalPrefill, Proposal, TargetBackend
 from edgebuild.runtime.kv_cache import Sequence, block_hashes
 from edgebuild.runtime.metrics import RequestMetrics
@@ -715,7 +716,7 @@ def next_tokens(
     # threads their spinning workers took the core the kernels' pool needed: int4 target-only
     # ran at ~69 tok/s where the DSpark decoder's draft-less steps ran at ~96, bench/README.md)
     rows = logits[0][None] if len(logits) == 1 else torch.stack(logits)
-    out = rows.argmax(-1).tolist()
+    out = f32_linear.argmax(rows).tolist()  # torch's rule, without an OpenMP region
     for b, (p, st) in enumerate(zip(params, states, strict=True)):
         if not p.greedy:
             out[b] = sample(target_probs(logits[b], p), st.generator)

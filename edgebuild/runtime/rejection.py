@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgebuild.ops import f32_linear
 from edgebuild.runtime.backend import Proposal
 from edgebuild.runtime.markov_walk import inverse_cdf
 from edgebuild.runtime.sampling import SamplingParams, apply_min_p
@@ -88,11 +89,10 @@ def verify_batch(
     counts = [len(p) for p in proposals]
     batch = len(proposals)
     if not any(counts) and all(p.greedy for p in params):  # a draft-less greedy step: the
-        # argmax of each anchor row, as below (first index on ties), without the batch ops;
-        # along dim -1 of a [1, V] row: a whole-tensor argmax runs an OpenMP region at two
-        # threads, whose spinning worker then took the core the next pass's kernel pool
-        # needed (a draft-less DSpark step 3-5% slower than target-only's at int4)
-        return [Verdict(0, int(lg[:1].argmax(-1))) for lg in logits]
+        # argmax of each anchor row, as below (first index on ties), without the batch ops
+        # (f32_linear.argmax: no OpenMP region at two threads, whose spinning worker then
+        # took the core the next pass's kernel pool needed)
+        return [Verdict(0, int(f32_linear.argmax(lg[:1])[0])) for lg in logits]
     flat = torch.cat([lg.float() for lg in logits]) if batch > 1 else logits[0].float()
     cu = torch.tensor([n + 1 for n in counts]).cumsum(0)  # cu_num_draft_tokens, bonus rows in
     starts = cu - torch.tensor(counts) - 1  # row of each request's anchor
@@ -102,7 +102,7 @@ def verify_batch(
     valid = drafts >= 0
     rows = (starts[:, None] + torch.arange(n_max)[None, :]).clamp_max(flat.shape[0] - 1)
     greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
-    argmax = flat.argmax(-1)  # [R]: also the greedy correction / bonus of every row
+    argmax = f32_linear.argmax(flat)  # [R]: also the greedy correction / bonus of every row
     ok = argmax[rows] == drafts  # greedy rule: exact match with the target's argmax
     sampled = (~greedy).nonzero().squeeze(-1).tolist()
     probs, uniforms = {}, {}
