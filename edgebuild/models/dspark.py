@@ -348,9 +348,10 @@ class DSparkDraft(nn.Module):
         for layer in self.layers:
             layer.pack_for_cpu(quant)
         self.packed_lm_head = PackedLinear([self.lm_head], quant)
-        fc = PackedLinear([self.fc], quant, int4_activations="fp32")
-        fp32_in = fc.f32_kernel or (fc.int4_f32 and not fc.int4_a8)
-        self.packed_fc = fc if fp32_in else None
+        self.packed_fc = None  # decided before packing: no quantization done to be dropped
+        if quant in (None, "int4") and self.fc.weight.dtype == torch.float32:
+            fc = PackedLinear([self.fc], quant, int4_activations="fp32")
+            self.packed_fc = fc if fc.f32_kernel or (fc.int4_f32 and not fc.int4_a8) else None
         self.block_program = FusedLayers.build(self.layers, block=True)
         return self
 

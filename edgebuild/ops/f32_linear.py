@@ -306,8 +306,8 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     Order: larger values first, equal values by smaller index (a stable descending sort's
     order: ``torch.sort(x, descending=True, stable=True)`` cut to k), NaN above every number.
-    edgebuild's kernel where it runs (one pass a row, ~10 us over a 49152-token vocabulary
-    against ~90 us for ``torch.topk`` at one thread); elsewhere ``torch.topk`` with its k
+    edgebuild's kernel where it runs (one pass a row, ~27 us over a 49152-token vocabulary
+    against ~90 us for ``torch.topk`` at one thread, bench/README.md); elsewhere ``torch.topk`` with its k
     entries put in that order (the same result, except which of several values tied at the
     k-th place are kept). The DSpark draft's top-k lattice uses it
     (:meth:`edgebuild.models.dspark.DSparkDraft.lattice`); the exported draft graph keeps
