@@ -165,3 +165,15 @@ def test_a_draft_quantization_is_refused_by_the_engine_backends(tiny):
     _, draft_dir, _ = tiny
     with pytest.raises(ConfigError, match="quantization 'int4' applies to the torch"):
         rt.decoder(spec_for(draft_dir, quantization="int4"))
+
+
+def test_a_given_token_map_is_refused_by_the_engine_backends(tiny, tmp_path):
+    """The draft engine computes the vocabulary it was built with: a token_map given in the
+    speculative config is refused by name (one the draft directory ships is not asked for)."""
+    rt, _ = runtime(tiny)
+    _, draft_dir, _ = tiny
+    path = tmp_path / "map.json"
+    path.write_text("[1, 2, 3]")
+    with pytest.raises(ConfigError, match="token_map .*map.json' applies to the torch"):
+        rt.decoder(spec_for(draft_dir, token_map=str(path)))
+    assert isinstance(rt.decoder(spec_for(draft_dir, token_map=None)), DSparkDecoder)

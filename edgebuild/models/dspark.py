@@ -332,9 +332,20 @@ class DSparkDraft(nn.Module):
         self.packed_lm_head: PackedLinear | None = None  # set by pack_for_cpu
         self.packed_fc: PackedLinear | None = None  # set by pack_for_cpu where fp32 in and out
         self.block_program: FusedLayers | None = None  # set by pack_for_cpu where it can run
+        # the draft vocabulary (edgebuild.speculative.token_map): int64 [V'] token ids, sorted;
+        # base_logits' column j is token token_map[j]. None: the whole vocabulary.
+        self.token_map: torch.Tensor | None = None
+        self._head_rows: torch.Tensor | None = None  # lm_head.weight[token_map], unpacked
 
-    def pack_for_cpu(self, quant: str | None = None) -> DSparkDraft:
+    def pack_for_cpu(
+        self, quant: str | None = None, token_map: torch.Tensor | None = None
+    ) -> DSparkDraft:
         """Pack the layers' linears, ``fc`` and ``lm_head`` once for the eager CPU runtime.
+
+        ``token_map`` (int ``[V']``, unique token ids sorted ascending:
+        :func:`edgebuild.speculative.token_map.read_token_map`) cuts the draft's vocabulary:
+        only those rows of ``lm_head`` are kept for :meth:`base_logits` (quantized row by row
+        as the whole head would be, so each kept logit is the whole head's value).
 
         As :meth:`edgebuild.models.llama.LlamaForCausalLM.pack_for_cpu`: names and
         ``state_dict`` unchanged, eager forwards only, one extra copy in memory. ``fc`` is
@@ -347,7 +358,17 @@ class DSparkDraft(nn.Module):
         """
         for layer in self.layers:
             layer.pack_for_cpu(quant)
-        self.packed_lm_head = PackedLinear([self.lm_head], quant)
+        self.token_map, self._head_rows, head = None, None, self.lm_head
+        if token_map is not None:
+            ids = token_map.long()
+            if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()):
+                raise ValueError("token_map must be unique token ids sorted ascending")
+            if int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+                raise ValueError(f"token_map ids must be in [0, {self.config.vocab_size})")
+            head = nn.Linear(self.lm_head.in_features, len(ids), bias=False)
+            head.weight = nn.Parameter(self.lm_head.weight.detach()[ids], requires_grad=False)
+            self.token_map, self._head_rows = ids, head.weight
+        self.packed_lm_head = PackedLinear([head], quant)
         self.packed_fc = None  # decided before packing: no quantization done to be dropped
         if quant in (None, "int4") and self.fc.weight.dtype == torch.float32:
             fc = PackedLinear([self.fc], quant, int4_activations="fp32")
@@ -445,9 +466,15 @@ class DSparkDraft(nn.Module):
 
     @torch.no_grad()
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """``lm_head(h)``: ``[B, Bs, d]`` -> fp32 ``[B, Bs, V]`` (before the Markov bias)."""
+        """``lm_head(h)``: ``[B, Bs, d]`` -> fp32 ``[B, Bs, V]`` (before the Markov bias);
+        with a :attr:`token_map` ``[V']``, fp32 ``[B, Bs, V']``: column j is token
+        ``token_map[j]`` (the other rows of the head are not computed)."""
         head = self.packed_lm_head
-        return (head(h) if use_packed(head) else self.lm_head(h)).float()
+        if use_packed(head):
+            return head(h).float()
+        if self._head_rows is not None:
+            return F.linear(h, self._head_rows.to(h.dtype)).float()
+        return self.lm_head(h).float()
 
     @torch.no_grad()
     def lattice(
@@ -457,7 +484,8 @@ class DSparkDraft(nn.Module):
 
         Args:
             h: ``[B, n, d]`` post-norm hidden of the block rows to draft.
-            base: fp32 ``[B, n, V]`` their base logits (:meth:`base_logits`).
+            base: fp32 ``[B, n, V]`` their base logits (:meth:`base_logits`; ``[B, n, V']``
+                over the :attr:`token_map`, whose ids the candidates are mapped to).
             anchors: int ``[B]`` the anchor token of each block.
             top_k: K candidates per row (1..V).
 
@@ -476,6 +504,8 @@ class DSparkDraft(nn.Module):
                 "depends on the path taken); walk it token by token"
             )
         top, cand = f32_linear.topk(base, top_k)  # [B, n, K], best first (ties: lower id)
+        if self.token_map is not None:  # columns -> token ids (sorted: the same tie order)
+            cand = self.token_map[cand]
         prev = torch.cat([anchors.long().view(-1, 1, 1).expand(-1, 1, top_k), cand[:, :-1]], 1)
         prev = prev[:, : cand.shape[1]]  # [B, n, K(i)]: the token before slot l
         scores = top.unsqueeze(2).expand(-1, -1, top_k, -1)  # [B, n, K(i), K(j)]

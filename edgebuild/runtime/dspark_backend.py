@@ -87,6 +87,8 @@ class TorchDraft:
         ring: a windowed draft's per-request ring (module docstring); default: when its config
             has a ``sliding_window``. False keeps a full paged cache (the reference the ring is
             tested against: same window, every row kept).
+        token_map: int ``[V']`` sorted unique token ids the draft's vocabulary is cut to
+            (:mod:`edgebuild.speculative.token_map`), or None (the whole vocabulary).
     """
 
     def __init__(
@@ -97,14 +99,15 @@ class TorchDraft:
         top_k: int = 16,
         quant: str | None = None,
         ring: bool | None = None,
+        token_map: torch.Tensor | None = None,
     ):
         cfg = model.config
         self.model, self.config = model, cfg
         self.block_size = cfg.block_size
         self.target_layer_ids = tuple(cfg.target_layer_ids)
         self.top_k = top_k
-        if model.packed_lm_head is None:
-            model.pack_for_cpu(quant)
+        if model.packed_lm_head is None or token_map is not None:
+            model.pack_for_cpu(quant, token_map)
         # + one block per page budget: block rows are reserved (never written) during a pass
         num_pages = -(-max_kv_rows // page_size) + 4 * (-(-cfg.block_size // page_size))
         window = cfg.sliding_window if ring or ring is None else None
@@ -229,14 +232,14 @@ class TorchDraft:
         if n_max == 0:  # a budget-cut step: nothing to draft
             return [Proposal([], torch.zeros(0, 1), torch.ones(0), None) for _ in seqs]
         h = h[:, :n_max]
-        base = self.model.base_logits(h)  # fp32 [B, n, V]
+        base = self.model.base_logits(h)  # fp32 [B, n, V] (or [B, n, V'] over a token map)
         with one_thread():
             return self.walk(h, base, anchors, num_tokens, params, generators, constraints)
 
     def walk(
         self,
         h: torch.Tensor,  # [B, n, d] post-norm draft hidden of the drafted rows
-        base: torch.Tensor,  # fp32 [B, n, V] base logits
+        base: torch.Tensor,  # fp32 [B, n, V] base logits ([B, n, V']: the token map's)
         anchors: list[int],
         num_tokens: list[int],
         params: list[SamplingParams],
@@ -255,8 +258,9 @@ class TorchDraft:
         if k_cand < vocab and not rnn and small:
             cand, scores, conf = self.model.lattice(h, base, torch.tensor(anchors), k_cand)
             return walk_lattice(
-                cand, scores, conf, num_tokens, params, generators, constraints, base
-            )
+                cand, scores, conf, num_tokens, params, generators, constraints, base,
+                self.model.token_map,
+            )  # fmt: skip
         return self._walk_by_token(
             h, base, anchors, num_tokens, params, generators, k_cand, constraints
         )
@@ -264,8 +268,11 @@ class TorchDraft:
     def _walk_by_token(
         self, h, base, anchors, num_tokens, params, generators, k_cand, constraints=None
     ):
-        """Slot by slot, the Markov bias computed from the token actually chosen before."""
+        """Slot by slot, the Markov bias computed from the token actually chosen before.
+        ``base``'s column j is token ``cols[j]`` (the token map's ids, else j)."""
         model, vocab = self.model, base.shape[-1]
+        tmap = model.token_map
+        cols = torch.arange(vocab) if tmap is None else tmap  # the token id of each column
         n_max = max(num_tokens, default=0)
         batch = len(anchors)
         prev = torch.tensor(anchors, dtype=torch.long)
@@ -280,18 +287,21 @@ class TorchDraft:
         limit = list(num_tokens)
         for k in range(n_max):
             z = base[:, k]  # [B, V]
-            cand = z.topk(k_cand, dim=-1).indices if k_cand < vocab else None  # [B, K]
+            cand = z.topk(k_cand, dim=-1).indices if k_cand < vocab else None  # [B, K] columns
             scores = z if cand is None else z.gather(1, cand)
+            tokens_k = cols.expand(batch, -1) if cand is None else cols[cand]  # [B, K] ids
             new_state = None
             if model.markov_head is not None:
-                if cand is None:
+                if cand is None and tmap is None:
                     bias, new_state = model.markov_head.step(prev, h[:, k], state)
                 else:
-                    bias, new_state = model.markov_head.candidate_bias(prev, h[:, k], state, cand)
+                    bias, new_state = model.markov_head.candidate_bias(
+                        prev, h[:, k], state, tokens_k
+                    )
                 scores = scores + bias
             if model.confidence_head is not None:
                 conf[:, k] = model.confidence(h[:, k], prev)
-            ids[:, k] = torch.arange(vocab).expand(batch, -1) if cand is None else cand
+            ids[:, k] = tokens_k
             scores = constrain(scores, ids[:, k], constraints, limit, k)
             q[:, k], choice = draw_rows(scores, greedy, temps, uniforms[:, k])
             tokens[:, k] = ids[:, k].gather(1, choice[:, None]).squeeze(-1)
@@ -300,7 +310,10 @@ class TorchDraft:
         listed = tokens.tolist()
         return [
             Proposal(
-                listed[b][:n], q[b, :n], conf[b, :n], q_ids=None if k_cand == vocab else ids[b, :n]
+                listed[b][:n],
+                q[b, :n],
+                conf[b, :n],
+                q_ids=None if k_cand == vocab and tmap is None else ids[b, :n],
             )
             for b, n in enumerate(limit)
         ]

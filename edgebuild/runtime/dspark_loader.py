@@ -20,6 +20,7 @@ from edgebuild.models.dspark import DSparkDraft
 from edgebuild.runtime.cpu import resolve_dtype
 from edgebuild.runtime.dspark_backend import TorchDraft
 from edgebuild.speculative.config import SpeculativeConfig
+from edgebuild.speculative.token_map import read_token_map
 
 log = logging.getLogger("edgebuild.runtime")
 
@@ -41,7 +42,8 @@ def prepare_torch_draft(
     Raises:
         ConfigError / PairingError / CheckpointError: a draft that does not fit its target
             (hidden, vocab, tokenizer, taps, mask id, heads, tensors), or
-            ``num_speculative_tokens`` above the draft's ``block_size``.
+            ``num_speculative_tokens`` above the draft's ``block_size``; the loader: a
+            ``token_map`` that does not fit the draft's vocabulary (names the file).
     """
     plan = pair_draft(target_source, spec.model)  # the same checks as `edgebuild inspect --draft`
     spec.check_block(plan.config.block_size, str(plan.draft.config_path))
@@ -62,7 +64,14 @@ def prepare_torch_draft(
         if quant != options.quant:
             log.info("draft %s: linears and lm_head packed %s (target: %s)", spec.model,
                      quant or "unquantized", options.quant or "unquantized")  # fmt: skip
-        return TorchDraft(model, rows, options.page_size, spec.draft_top_k, quant)
+        token_map = None
+        if spec.token_map is not None:  # the draft's vocabulary cut (speculative/token_map.py)
+            token_map = read_token_map(spec.token_map, plan.config.vocab_size)
+            log.info("draft %s: vocabulary cut to the %d tokens of %s", spec.model,
+                     len(token_map), spec.token_map)  # fmt: skip
+        return TorchDraft(
+            model, rows, options.page_size, spec.draft_top_k, quant, token_map=token_map
+        )
 
     return load
 

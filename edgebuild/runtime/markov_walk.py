@@ -99,16 +99,20 @@ def rescue(
     base: torch.Tensor,  # fp32 [V] the draft's base logits of the slot
     mask,  # the request's DraftMask
     width: int,  # K
+    vocab_ids: torch.Tensor | None = None,  # int64 [V]: the token id of each column of base
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """New candidates for a slot where none of the walk's was allowed: (ids int64 [K], their
     base logits fp32 [K]), the K most likely tokens of the draft's base logits that the
     grammar allows (refused ones, when fewer are allowed, at -inf); None when it allows none.
-    The slot is then the block's last (no Markov scores exist after a new candidate)."""
-    ok = mask.allowed(torch.arange(base.shape[-1]))
+    The slot is then the block's last (no Markov scores exist after a new candidate).
+    ``vocab_ids``: a draft with a token map (:mod:`edgebuild.speculative.token_map`) has
+    logits over those tokens only (default: column j is token j)."""
+    cols = torch.arange(base.shape[-1]) if vocab_ids is None else vocab_ids
+    ok = mask.allowed(cols)
     if not bool(ok.any()):
         return None
-    top, ids = base.float().masked_fill(~ok, float("-inf")).topk(width)
-    return ids, top
+    top, j = base.float().masked_fill(~ok, float("-inf")).topk(min(width, base.shape[-1]))
+    return cols[j], top
 
 
 def follow(tokens: torch.Tensor, constraints: list | None, limit: list[int], k: int) -> None:
@@ -118,13 +122,15 @@ def follow(tokens: torch.Tensor, constraints: list | None, limit: list[int], k: 
             limit[b] = k  # not expected (the mask allowed it); the block ends before it
 
 
-def _rescue_rows(row, cand, base, constraints, dead, limit, num_tokens, k) -> torch.Tensor:
+def _rescue_rows(
+    row, cand, base, constraints, dead, limit, num_tokens, k, vocab_ids=None
+) -> torch.Tensor:
     """Slot k of the `dead` requests from :func:`rescue` (their ``cand[b, k]`` replaced,
     ``row [B, K]`` their scores); each rescued request drafts slot k as its last."""
     for b in dead:
         if num_tokens[b] <= k:
             continue
-        got = rescue(base[b, k], constraints[b], cand.shape[-1])
+        got = rescue(base[b, k], constraints[b], cand.shape[-1], vocab_ids)
         if got is not None:
             cand[b, k], row[b] = got
             limit[b] = k + 1
@@ -153,6 +159,7 @@ def walk_lattice(
     generators: list[torch.Generator],
     constraints: list | None = None,
     base: torch.Tensor | None = None,  # fp32 [B, n, V] the base logits (torch draft only)
+    vocab_ids: torch.Tensor | None = None,  # int64 [V]: base's column -> token id (token map)
 ) -> list[Proposal]:
     """Walk every sequence's lattice (module docstring); returns one Proposal each.
 
@@ -188,7 +195,7 @@ def walk_lattice(
         row = constrain(scores[ar, k, prev].float(), cand[:, k], constraints, limit, k, dead)
         if base is not None and dead:
             cand = cand.clone()  # [B, n, K]: the rescued slots get their own candidates
-            row = _rescue_rows(row, cand, base, constraints, dead, limit, num_tokens, k)
+            row = _rescue_rows(row, cand, base, constraints, dead, limit, num_tokens, k, vocab_ids)
         q[:, k], choice[:, k] = draw_rows(row, greedy, temps, uniforms[:, k])
         if confidence is not None:
             conf[:, k] = confidence[ar, k, prev].float()

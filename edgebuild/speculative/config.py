@@ -2,9 +2,11 @@
 
 Keys follow vLLM and TensorRT-Edge-LLM: `method`, `model`, `num_speculative_tokens`, plus
 `draft_top_k` (top-k base candidates of the Markov walk; 0 = full vocabulary) and
-`confidence_threshold` (static cutoff; 0 = off) and `confidence_scheduling` (verification
+`confidence_threshold` (static cutoff; 0 = off), `confidence_scheduling` (verification
 lengths from measured step costs, :mod:`edgebuild.runtime.spec_schedule`; default true,
-false = fixed lengths). The methods are the registry's
+false = fixed lengths) and `token_map` (the draft's vocabulary cut to a file's token ids,
+:mod:`edgebuild.speculative.token_map`; default: the draft's own ``token_map.json`` when it
+ships one). The methods are the registry's
 (:mod:`edgebuild.speculative.registry`, one declarative record per method).
 
 When `draft_top_k` is not given, the draft's own recommendation is used: vLLM's hf_config key
@@ -22,6 +24,7 @@ from edgebuild.checkpoint.dspark_config import read_dspark_field  # the one draf
 from edgebuild.checkpoint.hub import ModelSource, resolve_model_ref
 from edgebuild.errors import ConfigError
 from edgebuild.speculative.registry import METHODS, PLANNED_METHODS, get_method
+from edgebuild.speculative.token_map import TOKEN_MAP_FILE
 
 __all__ = [
     "DEFAULT_DRAFT_TOP_K",
@@ -43,6 +46,7 @@ _KEYS = {
     "confidence_threshold",
     "confidence_scheduling",
     "quantization",
+    "token_map",
 }
 DEFAULT_DRAFT_TOP_K = 16
 DRAFT_QUANTIZATIONS = ("int4", "int8", "none")  # the torch runtime's weight packing of the draft
@@ -118,6 +122,15 @@ class SpeculativeConfig:
             else the target's ``--quant`` (:func:`edgebuild.runtime.dspark_loader.draft_quant`).
             The output never depends on it (every token is the target's); only the draft's
             cost and acceptance do. Engine backends refuse it (their draft runs as built).
+        token_map: a file of token ids (FR-Spec's / SGLang's ``--speculative-token-map``
+            hot-token list: a JSON list, or a ``.pt`` 1-D integer tensor) to which the torch
+            runtime cuts the draft's vocabulary: its ``lm_head`` computes those rows only and
+            drafts only those tokens (:mod:`edgebuild.speculative.token_map`). Default: the
+            draft directory's ``token_map.json`` when it has one; JSON ``null`` turns it off.
+            The output never depends on it (q is zero outside the map, so verification stays
+            exact); a token outside it is never drafted, only the target's bonus / resample.
+        token_map_given: `token_map` was set by the user (not defaulted): engine backends,
+            whose draft computes the vocabulary it was built with, refuse it.
     """
 
     method: str
@@ -129,6 +142,8 @@ class SpeculativeConfig:
     confidence_scheduling: bool = True
     source: ModelSource | None = field(default=None, compare=False)  # the resolved reference
     quantization: str | None = None
+    token_map: Path | None = None
+    token_map_given: bool = field(default=False, compare=False)
 
     @classmethod
     def parse(cls, value: str | dict) -> SpeculativeConfig:
@@ -196,9 +211,11 @@ class SpeculativeConfig:
                 f"(or omitted: int4 on fp32 CPU runtimes, else the target's --quant), got "
                 f"{quant!r}"
             )
+        token_map = _token_map(value, model)
         return cls(
-            method, model, n, top_k, float(thr), "draft_top_k" in value, sched, source, quant
-        )
+            method, model, n, top_k, float(thr), "draft_top_k" in value, sched, source, quant,
+            token_map, value.get("token_map") is not None,
+        )  # fmt: skip
 
     def check_block(self, block_size: int, source: str) -> None:
         """num_speculative_tokens must not exceed the draft's block_size (all-predicting)."""
@@ -207,3 +224,32 @@ class SpeculativeConfig:
                 f"--speculative-config: num_speculative_tokens {self.num_speculative_tokens} "
                 f"exceeds the draft's block_size {block_size} ({source}); use 1..{block_size}"
             )
+
+
+def _token_map(value: dict, draft_dir: Path) -> Path | None:
+    """The `token_map` file: the given path (``null``: none), else the draft's own
+    ``token_map.json`` when it ships one. Its contents are read at load, against the
+    draft's vocabulary (:func:`edgebuild.speculative.token_map.read_token_map`).
+
+    Raises:
+        ConfigError: a value that is not a string or null, or a path that is not a file.
+    """
+    if "token_map" not in value:
+        own = Path(draft_dir) / TOKEN_MAP_FILE
+        return own if own.is_file() else None
+    given = value["token_map"]
+    if given is None:
+        return None
+    if not isinstance(given, str) or not given:
+        raise ConfigError(
+            f"--speculative-config: token_map must be the path of a token-id file (.json or "
+            f".pt) or null, got {given!r}"
+        )
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"--speculative-config: token_map {given!r} is not a file; give the path of a JSON "
+            "list of token ids or a .pt tensor of them (tools/train_dspark/token_map.py "
+            "writes one), or null for the draft's whole vocabulary"
+        )
+    return path

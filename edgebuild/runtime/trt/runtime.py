@@ -81,7 +81,8 @@ class TrtRuntime:
         cache lives in the target's page allocator, shared with the engines' pools).
 
         Raises:
-            ConfigError: a `draft_top_k` given in the speculative config that differs from
+            ConfigError: a `quantization` or `token_map` given in the speculative config
+                (torch runtime only), or a `draft_top_k` given there that differs from
                 the candidate count the draft engine was built with (it is part of the
                 engine's shapes and cannot change at run time).
         """
@@ -107,6 +108,12 @@ class TrtRuntime:
                 f"--speculative-config: quantization {spec.quantization!r} applies to the torch "
                 "(CPU) runtime; the bundle's draft engine runs in the precision it was built "
                 "with: omit quantization, or run with --backend torch"
+            )
+        if spec.token_map_given:
+            raise ConfigError(
+                f"--speculative-config: token_map {str(spec.token_map)!r} applies to the torch "
+                "(CPU) runtime; the bundle's draft engine computes the vocabulary it was built "
+                "with: omit token_map, or run with --backend torch"
             )
         if spec.draft_top_k_given and spec.draft_top_k != self.draft.top_k:
             raise ConfigError(

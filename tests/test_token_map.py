@@ -1,0 +1,224 @@
+"""The draft's token map (FR-Spec's hot-token vocabulary, edgebuild.speculative.token_map).
+
+Oracles: the whole head's logits at the map's rows (bit for bit: each row is packed and
+computed on its own), a full-vocabulary draft whose base logits outside the map are -inf (a
+walk over the map must propose exactly what that draft proposes, with the same q), greedy
+DSpark equal to target-only token for token, a brute-force ranking, and the files' contents.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dspark_fixtures import make_random_draft
+from serve_fixtures import torch_threads, write_tiny_chat_model
+
+from edgebuild.errors import ConfigError
+from edgebuild.runtime.dspark_backend import TorchDraft
+from edgebuild.runtime.llm import LLM, RuntimeOptions
+from edgebuild.runtime.markov_walk import rescue
+from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.speculative.config import SpeculativeConfig
+from edgebuild.speculative.token_map import (
+    TOKEN_MAP_FILE,
+    rank_tokens,
+    read_token_map,
+    write_token_map,
+)
+
+MAP = sorted({1, *range(0, 256, 3), *range(100, 140)})  # EOS (t1) plus a spread of ids
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = write_tiny_chat_model(root / "tiny")
+    draft = make_random_draft(root / "draft", target, block_size=4, scale=0.2)
+    path = root / "map.json"
+    write_token_map(path, torch.tensor(MAP))
+    return target, draft, path
+
+
+def spec(draft, **extra) -> dict:
+    return {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3,
+            "confidence_scheduling": False, **extra}  # fmt: skip
+
+
+def opts() -> RuntimeOptions:
+    return RuntimeOptions(dtype=torch.float32, max_kv_rows=512, page_size=8)
+
+
+# ------------------------------------------------------------------------------ files
+def test_read_token_map_sorts_and_reads_json_and_pt(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([9, 2, 5]))
+    torch.save(torch.tensor([7, 3], dtype=torch.int32), tmp_path / "b.pt")
+    torch.save([4, 0], tmp_path / "c.pt")
+    assert read_token_map(tmp_path / "a.json", 10).tolist() == [2, 5, 9]
+    assert read_token_map(tmp_path / "b.pt", 10).tolist() == [3, 7]
+    assert read_token_map(tmp_path / "c.pt", 10).tolist() == [0, 4]
+    assert read_token_map(tmp_path / "a.json", 10).dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("[]", "non-empty 1-D list"),
+        ('{"ids": [1]}', "non-empty 1-D list"),
+        ("[1, 2.5]", "non-empty 1-D list"),
+        ("[true]", "non-empty 1-D list"),
+        ("[1, 10]", r"token id 10 is outside the draft's vocabulary \[0, 10\)"),
+        ("[-1]", "token id -1 is outside"),
+        ("[3, 1, 3]", "token id 3 is listed twice"),
+        ("[1,", "cannot read the token map"),
+    ],
+)
+def test_bad_token_maps_are_refused_naming_the_file(tmp_path, content, match):
+    path = tmp_path / "m.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=match) as err:
+        read_token_map(path, 10)
+    assert str(path) in str(err.value)
+
+
+def test_bad_pt_token_maps_are_refused(tmp_path):
+    for i, bad in enumerate([torch.zeros(2, 2, dtype=torch.long), torch.tensor([1.0])]):
+        torch.save(bad, tmp_path / f"{i}.pt")
+        with pytest.raises(ConfigError, match="non-empty 1-D list"):
+            read_token_map(tmp_path / f"{i}.pt", 10)
+
+
+def test_rank_tokens_equals_a_brute_force_ranking():
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 6, (300,), generator=g)  # many ties
+    for size, always in [(1, ()), (17, ()), (40, (299, 250)), (300, (5,))]:
+        order = sorted(range(300), key=lambda i: (i not in always, -int(counts[i]), i))
+        assert rank_tokens(counts, size, always).tolist() == sorted(order[:size])
+    with pytest.raises(ValueError):
+        rank_tokens(counts, 0)
+    with pytest.raises(ValueError):
+        rank_tokens(counts, 1, (1, 2))
+
+
+def test_write_token_map_round_trips_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "sub" / "m.json"
+    write_token_map(path, torch.tensor([5, 1, 3]))
+    assert json.loads(path.read_text()) == [5, 1, 3]
+    assert read_token_map(path, 6).tolist() == [1, 3, 5]
+    assert [p.name for p in path.parent.iterdir()] == ["m.json"]
+
+
+# ----------------------------------------------------------------------------- config
+def test_the_config_takes_the_drafts_own_map_a_given_path_or_null(pair, tmp_path):
+    _, draft, path = pair
+    assert SpeculativeConfig.parse(spec(draft)).token_map is None  # the draft ships none
+    given = SpeculativeConfig.parse(spec(draft, token_map=str(path)))
+    assert (given.token_map, given.token_map_given) == (path, True)
+    own = tmp_path / "draft"
+    own.mkdir()
+    for f in draft.iterdir():
+        (own / f.name).symlink_to(f)
+    (own / TOKEN_MAP_FILE).write_text("[1, 2]")
+    auto = SpeculativeConfig.parse(spec(own))
+    assert (auto.token_map, auto.token_map_given) == (own / TOKEN_MAP_FILE, False)
+    off = SpeculativeConfig.parse(spec(own, token_map=None))
+    assert (off.token_map, off.token_map_given) == (None, False)
+    with pytest.raises(ConfigError, match="token_map 'nope.json' is not a file"):
+        SpeculativeConfig.parse(spec(draft, token_map="nope.json"))
+    for bad in (3, "", ["a"], True):
+        with pytest.raises(ConfigError, match="token_map must be the path"):
+            SpeculativeConfig.parse(spec(draft, token_map=bad))
+
+
+def test_a_map_for_another_vocabulary_is_refused_at_load(pair, tmp_path):
+    target, draft, _ = pair
+    bad = tmp_path / "big.json"
+    bad.write_text("[1, 300]")
+    with pytest.raises(ConfigError, match="token id 300 is outside the draft's vocabulary"):
+        LLM(target, speculative=spec(draft, token_map=str(bad)), options=opts())
+
+
+# ------------------------------------------------------------------------------ model
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
+def test_base_logits_over_the_map_are_the_whole_heads_columns(pair, quantization):
+    target, draft, path = pair
+    with torch_threads(1):
+        full = LLM(target, speculative=spec(draft, quantization=quantization), options=opts())
+        cut = LLM(target, speculative=spec(draft, quantization=quantization,
+                                           token_map=str(path)), options=opts())  # fmt: skip
+        h = torch.randn(2, 3, full.draft.config.hidden_size, generator=torch.Generator())
+        want = full.draft.model.base_logits(h)[..., MAP]
+        got = cut.draft.model.base_logits(h)
+    assert got.shape == (2, 3, len(MAP))
+    assert torch.equal(got, want)  # the same rows, packed and computed row by row
+    assert cut.draft.model.token_map.tolist() == MAP
+
+
+def masked_walk(draft: TorchDraft, h, base_full, *args):
+    """The oracle: the full-vocabulary draft with every token outside MAP at -inf."""
+    keep = torch.zeros(base_full.shape[-1], dtype=torch.bool)
+    keep[MAP] = True
+    return draft.walk(h, base_full.masked_fill(~keep, float("-inf")), *args)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("top_k", [5, 0])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_walk_over_the_map_proposes_what_a_masked_full_vocabulary_draft_does(
+    tmp_path, head, top_k, temperature
+):
+    target = write_tiny_chat_model(tmp_path / "tiny")
+    draft = make_random_draft(tmp_path / "d", target, block_size=4, scale=0.5,
+                              markov_head_type=head)  # fmt: skip
+    path = tmp_path / "map.json"
+    write_token_map(path, torch.tensor(MAP))
+    extra = {"draft_top_k": top_k, "quantization": "none"}
+    with torch_threads(1):
+        full = LLM(target, speculative=spec(draft, **extra), options=opts()).draft
+        cut = LLM(target, speculative=spec(draft, token_map=str(path), **extra),
+                  options=opts()).draft  # fmt: skip
+        g = torch.Generator().manual_seed(3)
+        h = full.model.norm(torch.randn(3, 4, full.config.hidden_size, generator=g))
+        base = full.model.base_logits(h)
+        params = [SamplingParams(temperature=temperature, seed=s) for s in (1, 2, 3)]
+
+        def args():
+            gens = [torch.Generator().manual_seed(s) for s in (5, 6, 7)]
+            return [2, 7, 40], [4, 3, 2], params, gens
+
+        want = masked_walk(full, h, base, *args())
+        got = cut.walk(h, base[..., MAP], *args())
+    for w, g_ in zip(want, got, strict=True):
+        assert g_.tokens == w.tokens and set(g_.tokens) <= set(MAP)
+        torch.testing.assert_close(g_.confidence, w.confidence, rtol=0, atol=0)
+        torch.testing.assert_close(g_.dense_q(256), w.dense_q(256), rtol=1e-5, atol=1e-6)
+        assert set(g_.q_ids.flatten().tolist()) <= set(MAP)
+
+
+def test_rescue_returns_token_ids_of_the_map():
+    class Allow:  # a grammar's DraftMask stand-in: only even token ids
+        def allowed(self, ids):
+            return ids % 2 == 0
+
+    base = torch.tensor([5.0, 1.0, 4.0, 3.0, 2.0])
+    ids = torch.tensor([3, 10, 11, 20, 21])  # column j is token ids[j]
+    tok, top = rescue(base, Allow(), 2, ids)
+    assert tok.tolist() == [20, 10] and top.tolist() == [3.0, 1.0]
+    tok, _ = rescue(base, Allow(), 2)  # without a map: column j is token j
+    assert tok.tolist() == [0, 2]
+
+
+# ------------------------------------------------------------------------- end to end
+@pytest.mark.parametrize("quantization", [None, "none"])
+def test_greedy_dspark_with_a_map_equals_target_only(pair, quantization):
+    target, draft, path = pair
+    extra = {"token_map": str(path)} | ({"quantization": quantization} if quantization else {})
+    with torch_threads(1):
+        llm = LLM(target, speculative=spec(draft, **extra), options=opts())
+        prompts = [llm.encode(t) for t in ("hello there", "t5 t9 t77 t3", "abc")]
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        ref = [s.output_ids for s in llm.without_draft().generate_ids(prompts, params)]
+        got = llm.generate_ids(prompts, params)
+    assert [s.output_ids for s in got] == ref
+    assert all(s.metrics.proposed_at and s.metrics.proposed_at[0] > 0 for s in got)  # drafted
