@@ -8,7 +8,8 @@ SmolLM2-135M-Instruct, the held-out chat prompts of ``tools/train_dspark/data/ev
   confidence scheduling as by default, profiled at each thread count) at each ``--dtypes``
   (float32, bfloat16) and ``--threads`` (1, 2); ``--quant int8 int4`` adds the weight-only
   opt-ins (at the default compute dtype: bf16 where native, else fp32); ``--fixed`` adds
-  DSpark with fixed lengths (``"confidence_scheduling": false``); ``--only-edgebuild`` skips
+  DSpark with fixed lengths (``"confidence_scheduling": false``); ``--full-vocab`` adds DSpark
+  without the draft's token map (``"token_map": null``); ``--only-edgebuild`` skips
   the other engines;
 * ``edgebuild onnxruntime`` target-only and DSpark: the example pair's bundle (built here on
   first use, ``--onnx-only --dtype float32``, into ``--ort-bundle``) on the onnxruntime
@@ -75,27 +76,34 @@ class Engine:
 _LOADED: dict = {}
 
 
-def shared_llm(target, draft, dtype, quant):
+def shared_llm(target, draft, dtype, quant, token_map=True):
     """One LLM (target + draft) per dtype / quant: every thread count and both modes share it
-    (target-only is the same target with the target-only decoder, as `edgebuild run --compare`)."""
+    (target-only is the same target with the target-only decoder, as `edgebuild run --compare`);
+    ``token_map`` False: a second one whose draft drafts over the whole vocabulary."""
     from edgebuild.runtime.llm import LLM, RuntimeOptions
 
-    key = (dtype, quant)
+    key = (dtype, quant, token_map)
     if key not in _LOADED:
         spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7}
+        if not token_map:
+            spec["token_map"] = None
         opts = RuntimeOptions(dtype=DTYPES[dtype], max_kv_rows=4096, quant=quant)
         _LOADED[key] = LLM(target, speculative=spec, options=opts)
     return _LOADED[key]
 
 
 class Edgebuild(Engine):
-    def __init__(self, target, draft, dtype, threads, n, quant=None, scheduling=True):
+    def __init__(
+        self, target, draft, dtype, threads, n, quant=None, scheduling=True, token_map=True
+    ):
         q = f" {quant}" if quant else ""
         mode = ("DSpark" if scheduling else "DSpark fixed") if draft else "target-only"
+        mode += "" if token_map or not draft else " full-vocab"
         self.name = f"edgebuild {mode} {dtype}{q} t{threads}"
         self.threads, self.dtype, self.quant, self.dspark = threads, dtype, quant, draft is not None
         self.scheduling = scheduling
-        llm = shared_llm(target, DRAFT_DEFAULT if draft is None else draft, dtype, quant)
+        llm = shared_llm(target, DRAFT_DEFAULT if draft is None else draft, dtype, quant,
+                         token_map)  # fmt: skip
         self.taps = tuple(llm.draft.target_layer_ids)  # the layers DSpark taps (step costs)
         self.llm = llm.without_draft() if draft is None else llm  # same target weights
 
@@ -296,7 +304,9 @@ def make_engines(args, skipped: dict) -> list[Engine]:
     def wanted(*names: str) -> bool:  # --only: engine-name substrings to keep
         return not args.only or any(k in n for k in args.only for n in names)
 
-    modes = [(None, True), (args.draft, True)] + ([(args.draft, False)] if args.fixed else [])
+    modes = [(None, True, True), (args.draft, True, True)]
+    modes += [(args.draft, False, True)] if args.fixed else []
+    modes += [(args.draft, True, False)] if args.full_vocab else []
     from edgebuild.runtime.cpu import default_compute_dtype
 
     # --quant runs at the runtime's default compute dtype: bf16 where the CPU has it natively,
@@ -309,9 +319,11 @@ def make_engines(args, skipped: dict) -> list[Engine]:
         for dtype, quant in [(d, None) for d in args.dtypes] + [
             (quant_dtype, q) for q in args.quant
         ]:
-            for draft, sched in modes:
+            for draft, sched, tmap in modes:
                 engines.append(
-                    Edgebuild(args.target, draft, dtype, threads, args.max_tokens, quant, sched)
+                    Edgebuild(
+                        args.target, draft, dtype, threads, args.max_tokens, quant, sched, tmap
+                    )
                 )
         if args.only_edgebuild:
             continue
@@ -382,6 +394,11 @@ def main() -> None:
         "--fixed",
         action="store_true",
         help='also DSpark with "confidence_scheduling": false (fixed 7 drafts)',
+    )
+    ap.add_argument(
+        "--full-vocab",
+        action="store_true",
+        help='also DSpark without the draft\'s token map ("token_map": null)',
     )
     ap.add_argument("--only-edgebuild", action="store_true",
                     help="skip transformers, onnxruntime-genai and llama.cpp")  # fmt: skip

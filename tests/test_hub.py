@@ -192,7 +192,8 @@ def test_online_download_fetches_only_what_edgebuild_reads_with_the_hubs_bars(fa
     fetched = sorted(
         {p.rsplit("/", 1)[1] for m, p in hub.requests if m == "GET" and "/resolve/" in p}
     )
-    assert fetched == ["config.json", "model.safetensors"]  # no .bin, README, PNG or onnx/
+    # no .bin, README, PNG or onnx/; the draft's token map (speculative/token_map.py) is read
+    assert fetched == ["config.json", "model.safetensors", "token_map.json"]
     assert "Fetching 1 files" in out  # huggingface_hub's own progress bar
     commit = hub.repos["org/draft"]["commit"]
     snapshot = tmp_path / "hub" / "models--org--draft" / "snapshots" / commit

@@ -222,3 +222,85 @@ def test_greedy_dspark_with_a_map_equals_target_only(pair, quantization):
         got = llm.generate_ids(prompts, params)
     assert [s.output_ids for s in got] == ref
     assert all(s.metrics.proposed_at and s.metrics.proposed_at[0] > 0 for s in got)  # drafted
+
+
+# ------------------------------------------------------------------------ review fixes
+def test_bool_masks_huge_ids_and_pth_files(tmp_path):
+    torch.save(torch.tensor([True, False, True]), tmp_path / "mask.pt")
+    with pytest.raises(ConfigError, match="non-empty 1-D list of integer"):
+        read_token_map(tmp_path / "mask.pt", 10)
+    (tmp_path / "huge.json").write_text("[1, 99999999999999999999999]")
+    with pytest.raises(ConfigError, match="token id 99999999999999999999999 is outside"):
+        read_token_map(tmp_path / "huge.json", 10)
+    torch.save(torch.tensor([4, 2]), tmp_path / "m.pth")
+    assert read_token_map(tmp_path / "m.pth", 10).tolist() == [2, 4]
+
+
+def test_a_hub_repositorys_file_is_taken_from_the_hub_cache(pair, tmp_path, monkeypatch):
+    from hub_fixtures import publish
+
+    _, draft, path = pair
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    torch.save(torch.tensor(MAP), folder / "freq_64.pt")
+    cache = tmp_path / "hub"
+    publish(cache, "org/fr-spec", folder)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    got = SpeculativeConfig.parse(spec(draft, token_map="org/fr-spec/freq_64.pt"))
+    assert got.token_map_given and got.token_map.name == "freq_64.pt"
+    assert read_token_map(got.token_map, 256).tolist() == MAP
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set and it is not in the Hub cache"):
+        SpeculativeConfig.parse(spec(draft, token_map="org/fr-spec/freq_99.pt"))
+
+
+def test_packing_keeps_the_state_dict_and_repacks_for_another_map(pair):
+    target, draft, path = pair
+    with torch_threads(1):
+        full = LLM(target, speculative=spec(draft, quantization="none"), options=opts()).draft
+        model = full.model
+        keys = sorted(model.state_dict())
+        h = torch.randn(1, 2, full.config.hidden_size)
+        want = model.base_logits(h)
+        ids = torch.tensor(MAP)
+        cut = TorchDraft(model, 64, 8, quant=None, token_map=ids)
+        assert sorted(model.state_dict()) == keys  # no parameter added by the cut head
+        assert torch.equal(model.base_logits(h), want[..., MAP])
+        TorchDraft(model, 64, 8, quant=None)  # the same model without a map: repacked
+        assert model.token_map is None and torch.equal(model.base_logits(h), want)
+        assert cut.model is model
+
+
+def test_a_bad_map_is_refused_before_the_draft_weights_load(pair, tmp_path, monkeypatch):
+    from edgebuild.models.dspark import DSparkDraft
+
+    target, draft, _ = pair
+    bad = tmp_path / "big.json"
+    bad.write_text("[1, 300]")
+
+    def no_load(*a, **k):
+        raise AssertionError("the draft's weights were loaded before the map was checked")
+
+    monkeypatch.setattr(DSparkDraft, "from_plan", no_load)
+    monkeypatch.setattr(DSparkDraft, "from_source", no_load)
+    with pytest.raises(ConfigError, match="token id 300 is outside"):
+        LLM(target, speculative=spec(draft, token_map=str(bad)), options=opts())
+
+
+def test_an_engine_host_refuses_a_given_map_before_building(pair, monkeypatch):
+    import edgebuild.deploy as deploy
+    from edgebuild.runtime.select import HostProbe
+    from edgebuild.serve.config import ServeConfig
+
+    target, draft, path = pair
+
+    def no_build(*a, **k):
+        raise AssertionError("engines were built before the map was refused")
+
+    monkeypatch.setattr(deploy, "build_cached", no_build)
+    probe = HostProbe.from_mapping({"tensorrt": "10.13.3", "gpu": "sm_110"})
+    for extra, key in (({"token_map": str(path)}, "token_map"), ({"quantization": "int4"},
+                                                                 "quantization")):  # fmt: skip
+        cfg = ServeConfig(model=str(target), speculative_config=json.dumps(spec(draft, **extra)))
+        with pytest.raises(ConfigError, match=f"{key} .* applies to the torch"):
+            deploy.prepare_serve(cfg, probe)

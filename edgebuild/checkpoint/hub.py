@@ -58,6 +58,7 @@ CHECKPOINT_META_FILES = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    "token_map.json",  # a draft's frequent-token vocabulary (speculative/token_map.py)
 )
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
 

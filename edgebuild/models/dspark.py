@@ -335,7 +335,6 @@ class DSparkDraft(nn.Module):
         # the draft vocabulary (edgebuild.speculative.token_map): int64 [V'] token ids, sorted;
         # base_logits' column j is token token_map[j]. None: the whole vocabulary.
         self.token_map: torch.Tensor | None = None
-        self._head_rows: torch.Tensor | None = None  # lm_head.weight[token_map], unpacked
 
     def pack_for_cpu(
         self, quant: str | None = None, token_map: torch.Tensor | None = None
@@ -344,8 +343,10 @@ class DSparkDraft(nn.Module):
 
         ``token_map`` (int ``[V']``, unique token ids sorted ascending:
         :func:`edgebuild.speculative.token_map.read_token_map`) cuts the draft's vocabulary:
-        only those rows of ``lm_head`` are kept for :meth:`base_logits` (quantized row by row
-        as the whole head would be, so each kept logit is the whole head's value).
+        only those rows of ``lm_head`` are packed for :meth:`base_logits` (quantized row by
+        row as the whole head would be, so each kept logit is the whole head's value); the
+        module's parameters and ``state_dict`` stay the checkpoint's. Packing again (another
+        ``quant`` or map, or None for the whole vocabulary) replaces the previous packing.
 
         As :meth:`edgebuild.models.llama.LlamaForCausalLM.pack_for_cpu`: names and
         ``state_dict`` unchanged, eager forwards only, one extra copy in memory. ``fc`` is
@@ -358,17 +359,17 @@ class DSparkDraft(nn.Module):
         """
         for layer in self.layers:
             layer.pack_for_cpu(quant)
-        self.token_map, self._head_rows, head = None, None, self.lm_head
+        self.token_map, head = None, self.lm_head
         if token_map is not None:
             ids = token_map.long()
             if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()):
                 raise ValueError("token_map must be unique token ids sorted ascending")
             if int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
                 raise ValueError(f"token_map ids must be in [0, {self.config.vocab_size})")
-            head = nn.Linear(self.lm_head.in_features, len(ids), bias=False)
+            head = nn.Linear(self.lm_head.in_features, len(ids), bias=False, device="meta")
             head.weight = nn.Parameter(self.lm_head.weight.detach()[ids], requires_grad=False)
-            self.token_map, self._head_rows = ids, head.weight
-        self.packed_lm_head = PackedLinear([head], quant)
+            self.token_map = ids
+        self.packed_lm_head = PackedLinear([head], quant)  # its own copy: `head` is dropped
         self.packed_fc = None  # decided before packing: no quantization done to be dropped
         if quant in (None, "int4") and self.fc.weight.dtype == torch.float32:
             fc = PackedLinear([self.fc], quant, int4_activations="fp32")
@@ -472,8 +473,8 @@ class DSparkDraft(nn.Module):
         head = self.packed_lm_head
         if use_packed(head):
             return head(h).float()
-        if self._head_rows is not None:
-            return F.linear(h, self._head_rows.to(h.dtype)).float()
+        if self.token_map is not None:  # export / compile: the rows gathered in the graph
+            return F.linear(h, self.lm_head.weight[self.token_map]).float()
         return self.lm_head(h).float()
 
     @torch.no_grad()
@@ -487,7 +488,7 @@ class DSparkDraft(nn.Module):
             base: fp32 ``[B, n, V]`` their base logits (:meth:`base_logits`; ``[B, n, V']``
                 over the :attr:`token_map`, whose ids the candidates are mapped to).
             anchors: int ``[B]`` the anchor token of each block.
-            top_k: K candidates per row (1..V).
+            top_k: K candidates per row (1..V, or 1..V' over a :attr:`token_map`).
 
         Returns:
             ``cand`` int64 ``[B, n, K]``; ``scores`` fp32 ``[B, n, K(i), K(j)]`` =

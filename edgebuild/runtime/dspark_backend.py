@@ -4,7 +4,10 @@ The walk (spec/draft-checkpoint-formats.md section 3, "Drafting" and "Top-k prun
 k = 0..n-1, take the top-k candidates of the base logits z_k, add the Markov bias of the
 previous token (anchor for k = 0) on those candidates, and draw x_k from the resulting
 distribution q_k (argmax when greedy, softmax(scores / T) otherwise); q_k is zero outside the
-candidates, which keeps rejection sampling exact. `draft_top_k` 0 uses the full vocabulary.
+candidates, which keeps rejection sampling exact. `draft_top_k` 0 uses the full vocabulary
+(the whole token map, where the draft's vocabulary is cut to one:
+:mod:`edgebuild.speculative.token_map`; column j of the base logits is then token
+``token_map[j]``).
 
 **Context cache.** A full-attention draft keeps one paged row per context position (its pages
 grow with the context and are counted beside the target's). A windowed draft
@@ -82,7 +85,8 @@ class TorchDraft:
         model: the loaded draft (head and embedding already resolved).
         max_kv_rows: context-cache capacity in rows across sequences.
         page_size: rows per page.
-        top_k: candidates per position for the Markov walk (0 = full vocabulary).
+        top_k: candidates per position for the Markov walk (0 = the full vocabulary, or the
+            whole token map).
         quant: None, ``"int8"`` or ``"int4"``: how the linears are packed (as the target's).
         ring: a windowed draft's per-request ring (module docstring); default: when its config
             has a ``sliding_window``. False keeps a full paged cache (the reference the ring is
@@ -106,7 +110,11 @@ class TorchDraft:
         self.block_size = cfg.block_size
         self.target_layer_ids = tuple(cfg.target_layer_ids)
         self.top_k = top_k
-        if model.packed_lm_head is None or token_map is not None:
+        have = model.token_map
+        same_map = (have is None and token_map is None) or (
+            have is not None and token_map is not None and torch.equal(have, token_map.long())
+        )
+        if model.packed_lm_head is None or not same_map:  # packed for this map (or none)
             model.pack_for_cpu(quant, token_map)
         # + one block per page budget: block rows are reserved (never written) during a pass
         num_pages = -(-max_kv_rows // page_size) + 4 * (-(-cfg.block_size // page_size))

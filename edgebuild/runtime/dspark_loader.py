@@ -42,11 +42,14 @@ def prepare_torch_draft(
     Raises:
         ConfigError / PairingError / CheckpointError: a draft that does not fit its target
             (hidden, vocab, tokenizer, taps, mask id, heads, tensors), or
-            ``num_speculative_tokens`` above the draft's ``block_size``; the loader: a
-            ``token_map`` that does not fit the draft's vocabulary (names the file).
+            ``num_speculative_tokens`` above the draft's ``block_size``, or a ``token_map``
+            that does not fit the draft's vocabulary (names the file).
     """
     plan = pair_draft(target_source, spec.model)  # the same checks as `edgebuild inspect --draft`
     spec.check_block(plan.config.block_size, str(plan.draft.config_path))
+    token_map = None
+    if spec.token_map is not None:  # the draft's vocabulary cut (speculative/token_map.py)
+        token_map = read_token_map(spec.token_map, plan.config.vocab_size)
     head, embed = plan.lm_head, plan.embed_tokens
     log.info(
         "draft %s: lm_head from %s (%s), embed_tokens from %s",
@@ -64,9 +67,7 @@ def prepare_torch_draft(
         if quant != options.quant:
             log.info("draft %s: linears and lm_head packed %s (target: %s)", spec.model,
                      quant or "unquantized", options.quant or "unquantized")  # fmt: skip
-        token_map = None
-        if spec.token_map is not None:  # the draft's vocabulary cut (speculative/token_map.py)
-            token_map = read_token_map(spec.token_map, plan.config.vocab_size)
+        if token_map is not None:
             log.info("draft %s: vocabulary cut to the %d tokens of %s", spec.model,
                      len(token_map), spec.token_map)  # fmt: skip
         return TorchDraft(

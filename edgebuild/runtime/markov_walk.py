@@ -70,7 +70,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def constrain(
     scores: torch.Tensor,  # fp32 [B, K] scores of slot k's candidates
-    ids: torch.Tensor,  # int64 [B, K] the candidate ids (a dense row: 0..V-1)
+    ids: torch.Tensor,  # int64 [B, K] the candidate token ids (a dense row: every column's id)
     constraints: list | None,  # per request a DraftMask or None
     limit: list[int],  # drafts per request; cut to k where the grammar allows no candidate
     k: int,
@@ -158,7 +158,7 @@ def walk_lattice(
     params: list[SamplingParams],
     generators: list[torch.Generator],
     constraints: list | None = None,
-    base: torch.Tensor | None = None,  # fp32 [B, n, V] the base logits (torch draft only)
+    base: torch.Tensor | None = None,  # fp32 [B, n, V or V'] base logits (torch draft only)
     vocab_ids: torch.Tensor | None = None,  # int64 [V]: base's column -> token id (token map)
 ) -> list[Proposal]:
     """Walk every sequence's lattice (module docstring); returns one Proposal each.

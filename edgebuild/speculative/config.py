@@ -1,7 +1,8 @@
 """The speculative-decoding config (`--speculative-config` JSON), shared by CLI and server.
 
 Keys follow vLLM and TensorRT-Edge-LLM: `method`, `model`, `num_speculative_tokens`, plus
-`draft_top_k` (top-k base candidates of the Markov walk; 0 = full vocabulary) and
+`draft_top_k` (top-k base candidates of the Markov walk; 0 = full vocabulary, or the whole
+token map) and
 `confidence_threshold` (static cutoff; 0 = off), `confidence_scheduling` (verification
 lengths from measured step costs, :mod:`edgebuild.runtime.spec_schedule`; default true,
 false = fixed lengths) and `token_map` (the draft's vocabulary cut to a file's token ids,
@@ -21,7 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgebuild.checkpoint.dspark_config import read_dspark_field  # the one draft-config reader
-from edgebuild.checkpoint.hub import ModelSource, resolve_model_ref
+from edgebuild.checkpoint.hub import (
+    ModelSource,
+    hub_cache_dir,
+    hub_offline,
+    is_hub_id,
+    resolve_model_ref,
+)
 from edgebuild.errors import ConfigError
 from edgebuild.speculative.registry import METHODS, PLANNED_METHODS, get_method
 from edgebuild.speculative.token_map import TOKEN_MAP_FILE
@@ -123,7 +130,8 @@ class SpeculativeConfig:
             The output never depends on it (every token is the target's); only the draft's
             cost and acceptance do. Engine backends refuse it (their draft runs as built).
         token_map: a file of token ids (FR-Spec's / SGLang's ``--speculative-token-map``
-            hot-token list: a JSON list, or a ``.pt`` 1-D integer tensor) to which the torch
+            hot-token list: a JSON list, or a ``.pt`` 1-D integer tensor; a local path or a
+            Hub repository's file ``org/name/file.pt``) to which the torch
             runtime cuts the draft's vocabulary: its ``lm_head`` computes those rows only and
             drafts only those tokens (:mod:`edgebuild.speculative.token_map`). Default: the
             draft directory's ``token_map.json`` when it has one; JSON ``null`` turns it off.
@@ -246,10 +254,40 @@ def _token_map(value: dict, draft_dir: Path) -> Path | None:
             f".pt) or null, got {given!r}"
         )
     path = Path(given).expanduser()
-    if not path.is_file():
-        raise ConfigError(
-            f"--speculative-config: token_map {given!r} is not a file; give the path of a JSON "
-            "list of token ids or a .pt tensor of them (tools/train_dspark/token_map.py "
-            "writes one), or null for the draft's whole vocabulary"
+    if path.is_file():
+        return path
+    parts = given.split("/")
+    if len(parts) >= 3 and not path.exists() and is_hub_id("/".join(parts[:2])):
+        return _hub_file("/".join(parts[:2]), "/".join(parts[2:]), given)
+    raise ConfigError(
+        f"--speculative-config: token_map {given!r} is not a file; give the path of a JSON "
+        "list of token ids or a .pt tensor of them (tools/train_dspark/token_map.py "
+        "writes one), a Hub repository's file (org/name/file.pt), or null for the draft's "
+        "whole vocabulary"
+    )
+
+
+def _hub_file(repo_id: str, filename: str, given: str) -> Path:
+    """A token map in a Hub repository (SGLang's ``--speculative-token-map`` accepts the
+    same form), from the Hub cache or downloaded (``HF_HUB_OFFLINE``: the cache only).
+
+    Raises:
+        ConfigError: the file cannot be had (offline and not cached, no such repository or
+            file, the Hub unreachable), naming it and the fix.
+    """
+    from huggingface_hub import hf_hub_download
+
+    offline = hub_offline()
+    try:
+        return Path(
+            hf_hub_download(
+                repo_id, filename, cache_dir=str(hub_cache_dir()), local_files_only=offline
+            )
         )
-    return path
+    except Exception as exc:  # noqa: BLE001 - every Hub failure is the same user error here
+        why = "HF_HUB_OFFLINE is set and it is not in the Hub cache" if offline else str(exc)
+        raise ConfigError(
+            f"--speculative-config: token_map {given!r} is neither a local file nor a file "
+            f"of Hub repository {repo_id!r} ({why}); download it with `hf download "
+            f"{repo_id} {filename}`, or give a local path"
+        ) from None

@@ -94,7 +94,8 @@ def speculative_help() -> str:
     """The ``--speculative-config`` help text of the CLIs, listing the registry's methods."""
     return (
         f"JSON: method ({' | '.join(METHODS)}), model (draft dir), num_speculative_tokens"
-        '[, draft_top_k, confidence_threshold], e.g. {"method":"dspark","model":DRAFT,'
+        "[, draft_top_k, confidence_threshold, confidence_scheduling, quantization, token_map]"
+        ', e.g. {"method":"dspark","model":DRAFT,'
         '"num_speculative_tokens":7}'
     )
 

@@ -11,9 +11,10 @@ so a token outside the map is never drafted, only committed by the target's bonu
 Only the draft's cost and acceptance change.
 
 File formats read by :func:`read_token_map`: a JSON list of token ids (what
-:func:`write_token_map` and ``tools/train_dspark/token_map.py`` write), or a ``.pt`` holding a
-1-D integer tensor or list (FR-Spec's / SGLang's files), loaded with
-``torch.load(weights_only=True)``. The ids are returned sorted ascending, so that ties of the
+:func:`write_token_map` and ``tools/train_dspark/token_map.py`` write), or a ``.pt`` / ``.pth``
+holding a 1-D integer tensor or list (FR-Spec's / SGLang's files), loaded with
+``torch.load(weights_only=True)``. As SGLang's flag, the config also takes a file of a Hub
+repository, ``org/name/path/file.pt``, from the Hub cache (``HF_HUB_OFFLINE`` honoured). The ids are returned sorted ascending, so that ties of the
 walk's top-k still resolve to the lower token id, as over the whole vocabulary.
 """
 
@@ -47,19 +48,24 @@ def read_token_map(path: Path, vocab_size: int) -> torch.Tensor:
     path = Path(path)
     fix = "write it with tools/train_dspark/token_map.py, or pass token_map null"
     try:
-        if path.suffix == ".pt":
+        if path.suffix in (".pt", ".pth"):
             raw = torch.load(path, map_location="cpu", weights_only=True)
         else:
             raw = json.loads(path.read_text(encoding="utf-8"))
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
         raise ConfigError(f"{path}: cannot read the token map ({exc}); {fix}") from None
+    ids = None
     if isinstance(raw, torch.Tensor):
-        ok = raw.dim() == 1 and not raw.is_floating_point() and not raw.is_complex()
-        ids = raw.long() if ok else None
+        integer = not (raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool)
+        ids = raw.long() if raw.dim() == 1 and integer else None
     elif isinstance(raw, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
-        ids = torch.tensor(raw, dtype=torch.long)
-    else:
-        ids = None
+        if all(-(2**63) <= i < 2**63 for i in raw):
+            ids = torch.tensor(raw, dtype=torch.long)
+        else:
+            big = next(i for i in raw if not -(2**63) <= i < 2**63)
+            raise ConfigError(
+                f"{path}: token id {big} is outside the draft's vocabulary [0, {vocab_size}); {fix}"
+            )
     if ids is None or ids.numel() == 0:
         raise ConfigError(
             f"{path}: a token map must be a non-empty 1-D list of integer token ids (a JSON "

@@ -36,6 +36,8 @@ def run_pair(target: Path, draft: Path, prompts: list[str], args) -> dict:
         spec["draft_top_k"] = args.top_k
     if args.fixed:  # every step verifies all n drafts: tau is the draft's, not the scheduler's
         spec["confidence_scheduling"] = False
+    if args.no_token_map:  # the draft over the whole vocabulary (as the model card's figures)
+        spec["token_map"] = None
     options = None if args.dtype is None else RuntimeOptions(dtype=getattr(torch, args.dtype))
     llm = LLM(target, speculative=spec, options=options)
     plain = llm.without_draft()  # the same target weights, no draft
@@ -106,6 +108,13 @@ def plot(report: dict, path: Path) -> None:
 PAIRS = {"bf16": "BF16 target", "nvfp4": "NVFP4 target"}
 
 
+def _token_map_name(draft: Path) -> str | None:
+    """The token map the runtime uses by default (the draft's own), as the report names it."""
+    from edgebuild.speculative.token_map import TOKEN_MAP_FILE
+
+    return TOKEN_MAP_FILE if (draft / TOKEN_MAP_FILE).is_file() else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, default=Path("examples/smollm2-135m"))
@@ -128,6 +137,11 @@ def main() -> None:
         help="fixed-length speculation (confidence_scheduling false): measures the draft's "
         "tau; by default the scheduler may verify fewer drafts, or none, where they do not pay",
     )
+    ap.add_argument(
+        "--no-token-map",
+        action="store_true",
+        help="draft over the whole vocabulary (default: the draft's token_map.json if shipped)",
+    )
     ap.add_argument("--report-only", action="store_true", help="Merge eval_*.json, plot.")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -147,6 +161,7 @@ def main() -> None:
             draft_top_k=default_draft_top_k(args.draft) if args.top_k is None else args.top_k,
             greedy=True,
             confidence_scheduling=not args.fixed,
+            token_map=None if args.no_token_map else _token_map_name(args.draft),
             dtype=args.dtype or "runtime default",
             eval_wall_s=round(time.perf_counter() - t0, 1),
         )

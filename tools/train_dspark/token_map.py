@@ -42,13 +42,19 @@ def count_tokens(paths: list[Path], vocab_size: int) -> torch.Tensor:
 
 
 def eos_ids(target: Path) -> list[int]:
-    """The target's end-of-sequence ids (config.json and generation_config.json)."""
+    """The target's end-of-sequence ids: config.json's, generation_config.json's and the
+    tokenizer's (the runtime stops on each)."""
+    from edgebuild.runtime.llm import load_tokenizer
+
     out: set[int] = set()
     for name in ("config.json", "generation_config.json"):
         path = target / name
         if path.is_file():
             value = json.loads(path.read_text()).get("eos_token_id")
             out.update([value] if isinstance(value, int) else value or [])
+    eos = getattr(load_tokenizer(target), "eos_token_id", None)
+    if isinstance(eos, int):
+        out.add(eos)
     return sorted(out)
 
 
