@@ -44,6 +44,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -449,7 +450,7 @@ def main() -> None:
         results[e.name] = row
     for e in engines:  # exactness and speedup of each DSpark row against its target-only twin
         if getattr(e, "dspark", False):
-            twin = e.name.replace("DSpark fixed", "target-only").replace("DSpark", "target-only")
+            twin = re.sub(r"DSpark( fixed| full-vocab)?", "target-only", e.name)
             same = [
                 a == b for a, b in zip(per[e.name]["outputs"], per[twin]["outputs"], strict=True)
             ]
