@@ -115,3 +115,16 @@ def make_random_draft(
                 cfg[key] = value
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def assert_greedy_dspark_equals_target_only(llm, texts: list[str], max_tokens: int = 24) -> None:
+    """Greedy DSpark output equal to target-only's (the same LLM without its draft) token for
+    token on ``texts``, and every request drafted (the draft was exercised)."""
+    from edgebuild.runtime.sampling import SamplingParams
+
+    prompts = [llm.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ref = [s.output_ids for s in llm.without_draft().generate_ids(prompts, params)]
+    got = llm.generate_ids(prompts, params)
+    assert [s.output_ids for s in got] == ref
+    assert all(s.metrics.proposed_at and s.metrics.proposed_at[0] > 0 for s in got)  # drafted

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_fixtures import make_random_draft
+from dspark_fixtures import assert_greedy_dspark_equals_target_only, make_random_draft
 from serve_fixtures import torch_threads, write_tiny_chat_model
 
 from edgebuild.errors import ConfigError
 from edgebuild.ops import f32_linear
 from edgebuild.runtime.dspark_loader import draft_quant
 from edgebuild.runtime.llm import LLM, RuntimeOptions
-from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.speculative.config import SpeculativeConfig
 
 
@@ -79,9 +78,4 @@ def test_greedy_dspark_equals_target_only_whatever_the_draft_packing(pair, given
         assert draft_packing(llm) == {want[given]}
         tm = llm.target_model  # the target keeps its own (here: no) --quant
         assert {tm.packed_lm_head.quant, tm.model.layers[0].mlp.packed_down.quant} == {None}
-        prompts = [llm.encode(t) for t in ("hello there", "one two three four", "abc")]
-        params = SamplingParams(max_tokens=24, ignore_eos=True)
-        ref = [s.output_ids for s in llm.without_draft().generate_ids(prompts, params)]
-        got = llm.generate_ids(prompts, params)
-    assert [s.output_ids for s in got] == ref
-    assert all(s.metrics.proposed_at and s.metrics.proposed_at[0] > 0 for s in got)  # drafted
+        assert_greedy_dspark_equals_target_only(llm, ["hello there", "one two three four", "abc"])

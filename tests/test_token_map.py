@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from dspark_fixtures import make_random_draft
+from dspark_fixtures import assert_greedy_dspark_equals_target_only, make_random_draft
 from serve_fixtures import torch_threads, write_tiny_chat_model
 
 from edgebuild.errors import ConfigError
@@ -216,12 +216,7 @@ def test_greedy_dspark_with_a_map_equals_target_only(pair, quantization):
     extra = {"token_map": str(path)} | ({"quantization": quantization} if quantization else {})
     with torch_threads(1):
         llm = LLM(target, speculative=spec(draft, **extra), options=opts())
-        prompts = [llm.encode(t) for t in ("hello there", "t5 t9 t77 t3", "abc")]
-        params = SamplingParams(max_tokens=24, ignore_eos=True)
-        ref = [s.output_ids for s in llm.without_draft().generate_ids(prompts, params)]
-        got = llm.generate_ids(prompts, params)
-    assert [s.output_ids for s in got] == ref
-    assert all(s.metrics.proposed_at and s.metrics.proposed_at[0] > 0 for s in got)  # drafted
+        assert_greedy_dspark_equals_target_only(llm, ["hello there", "t5 t9 t77 t3", "abc"])
 
 
 # ------------------------------------------------------------------------ review fixes
