@@ -157,30 +157,10 @@ def prepare_serve(config: ServeConfig, probe: HostProbe | None = None):
             )
         plan = _torch_plan(target, spec, f"no engines: {why}")
         return lambda startup: plan
-    _check_engine_spec(spec)  # before minutes of engine building
+    if spec is not None:  # before minutes of engine building
+        spec.check_engine_backend("the engines built on this TensorRT host")
     recipe = serve_build_recipe(config, target, spec, host.device)
     return lambda startup: _engine_plan(config, recipe, target, spec, startup)
-
-
-def _check_engine_spec(spec) -> None:
-    """The speculative keys only the torch runtime honours, refused before engines are built
-    (the engines' decoder refuses them too, :meth:`TrtRuntime.decoder`).
-
-    Raises:
-        ConfigError: a ``quantization`` or a given ``token_map`` (names the key and the fix).
-    """
-    if spec is None:
-        return
-    for key, given, value in (
-        ("quantization", spec.quantization is not None, spec.quantization),
-        ("token_map", spec.token_map_given, str(spec.token_map)),
-    ):
-        if given:
-            raise ConfigError(
-                f"--speculative-config: {key} {value!r} applies to the torch (CPU) runtime; "
-                f"the engines built on this TensorRT host run their draft as built: omit "
-                f"{key}, or serve with --backend torch"
-            )
 
 
 def _check_block(spec) -> None:

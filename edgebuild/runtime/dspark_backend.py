@@ -277,10 +277,9 @@ class TorchDraft:
         self, h, base, anchors, num_tokens, params, generators, k_cand, constraints=None
     ):
         """Slot by slot, the Markov bias computed from the token actually chosen before.
-        ``base``'s column j is token ``cols[j]`` (the token map's ids, else j)."""
+        ``base``'s column j is token ``token_map[j]`` with a token map, else token j."""
         model, vocab = self.model, base.shape[-1]
-        tmap = model.token_map
-        cols = torch.arange(vocab) if tmap is None else tmap  # the token id of each column
+        tmap = model.token_map  # the token id of each column of base, or None (column j is j)
         n_max = max(num_tokens, default=0)
         batch = len(anchors)
         prev = torch.tensor(anchors, dtype=torch.long)
@@ -297,7 +296,10 @@ class TorchDraft:
             z = base[:, k]  # [B, V]
             cand = z.topk(k_cand, dim=-1).indices if k_cand < vocab else None  # [B, K] columns
             scores = z if cand is None else z.gather(1, cand)
-            tokens_k = cols.expand(batch, -1) if cand is None else cols[cand]  # [B, K] ids
+            if cand is None:  # every column: [B, V] token ids
+                tokens_k = (torch.arange(vocab) if tmap is None else tmap).expand(batch, -1)
+            else:
+                tokens_k = cand if tmap is None else tmap[cand]  # [B, K] token ids
             new_state = None
             if model.markov_head is not None:
                 if cand is None and tmap is None:

@@ -111,7 +111,7 @@ def rescue(
     ok = mask.allowed(cols)
     if not bool(ok.any()):
         return None
-    top, j = base.float().masked_fill(~ok, float("-inf")).topk(min(width, base.shape[-1]))
+    top, j = base.float().masked_fill(~ok, float("-inf")).topk(width)
     return cols[j], top
 
 

@@ -225,6 +225,25 @@ class SpeculativeConfig:
             token_map, value.get("token_map") is not None,
         )  # fmt: skip
 
+    def check_engine_backend(self, engines: str) -> None:
+        """Refuse the keys only the torch (CPU) runtime honours, for a backend whose draft
+        runs as ``engines`` were built (``quantization``, a given ``token_map``); the draft's
+        own ``token_map.json`` is not asked for and is not refused.
+
+        Raises:
+            ConfigError: such a key (names it and the fix).
+        """
+        for key, given, value in (
+            ("quantization", self.quantization is not None, self.quantization),
+            ("token_map", self.token_map_given, str(self.token_map)),
+        ):
+            if given:
+                raise ConfigError(
+                    f"--speculative-config: {key} {value!r} applies to the torch (CPU) "
+                    f"runtime; {engines} run their draft as built: omit {key}, or run with "
+                    "--backend torch"
+                )
+
     def check_block(self, block_size: int, source: str) -> None:
         """num_speculative_tokens must not exceed the draft's block_size (all-predicting)."""
         if self.num_speculative_tokens > block_size:

@@ -103,18 +103,7 @@ class TrtRuntime:
             )
         if self.draft is None:
             return TargetOnlyDecoder(self.target, prefill)
-        if spec.quantization is not None:
-            raise ConfigError(
-                f"--speculative-config: quantization {spec.quantization!r} applies to the torch "
-                "(CPU) runtime; the bundle's draft engine runs in the precision it was built "
-                "with: omit quantization, or run with --backend torch"
-            )
-        if spec.token_map_given:
-            raise ConfigError(
-                f"--speculative-config: token_map {str(spec.token_map)!r} applies to the torch "
-                "(CPU) runtime; the bundle's draft engine computes the vocabulary it was built "
-                "with: omit token_map, or run with --backend torch"
-            )
+        spec.check_engine_backend("the bundle's engines")
         if spec.draft_top_k_given and spec.draft_top_k != self.draft.top_k:
             raise ConfigError(
                 f"--speculative-config: draft_top_k {spec.draft_top_k} cannot be honoured: the "
