@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -110,16 +109,18 @@ def rank_tokens(counts: torch.Tensor, size: int, always: list[int] = ()) -> torc
 
 
 def write_token_map(path: Path, ids: torch.Tensor) -> None:
-    """Write ``ids`` (int ``[V']``) as a JSON list, atomically (a temporary file renamed)."""
+    """Write ``ids`` (int ``[V']``) as a JSON list, atomically (a temporary file beside it,
+    renamed over it, as the engine cache writes its files).
+
+    Raises:
+        OSError: the folder cannot be created or written (the temporary file is removed).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump([int(i) for i in ids.tolist()], f, separators=(",", ":"))
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make a shipped map unreadable to others
+        tmp.write_text(json.dumps([int(i) for i in ids.tolist()], separators=(",", ":")) + "\n")
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
