@@ -99,9 +99,12 @@ def _batch(g, bsz, rows, page_size, full):
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("full", [True, False])
-def test_kernel_plan_gives_the_c_step_what_the_dense_plan_gives(window, full):
+@pytest.mark.parametrize("small", [64, 0])
+def test_kernel_plan_gives_the_c_step_what_the_dense_plan_gives(window, full, small, monkeypatch):
     """Decode / verify steps, write-only context updates (up to 40 rows) and block passes:
-    every input of decode_step equal to the DensePlan's, padding rows and windows too."""
+    every input of decode_step equal to the DensePlan's, padding rows and windows too; both
+    ways of building the plan (``small``: SMALL_PLAN_ROWS, Python ints up to it)."""
+    monkeypatch.setattr(attention_fast, "SMALL_PLAN_ROWS", small)
     g = torch.Generator().manual_seed(window + 10 * full)
     table_rope = torch.randn(256, 16)
     for bsz in (1, 3):
@@ -225,6 +228,50 @@ def test_the_block_program_equals_the_modules_bit_for_bit(pair, quant, monkeypat
         assert runs == [1, 1]
     assert torch.equal(got, want) and torch.equal(loop, want)
     assert got.abs().sum() > 0
+
+
+@kernels
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_a_block_cut_to_its_drafted_rows_keeps_their_bits(pair, quant, monkeypatch):
+    """block_forward(rows=n) runs the last layer's o_proj / MLP and the norm on the first n
+    rows only: they equal the whole block's first n rows bit for bit on the C++ program, its
+    Python loop and the modules (the oracle: the uncut modules' pass)."""
+    with torch_threads(1):
+        draft = loaded_draft(pair, quant)
+        model = draft.model
+        g = torch.Generator().manual_seed(1)
+        seqs = [draft.new_sequence() for _ in range(2)]
+        draft.update_context(seqs, [torch.randn(n, model.fc.in_features, generator=g)
+                                    for n in (4, 11)])  # fmt: skip
+        bs = model.config.block_size
+        ids = model.block_input_ids(torch.tensor([3, 9]))
+
+        def block(rows=None):
+            batch = make_batch(draft.allocator, seqs, [bs] * len(seqs))
+            try:
+                return model.block_forward(ids, draft.pools, batch, rows)
+            finally:
+                for s in seqs:
+                    draft.allocator.truncate(s, s.length)
+
+        program = model.block_program
+        model.block_program = None
+        whole = block()  # the modules, every row
+        model.block_program = program
+        cuts = []
+        real = program.run
+        monkeypatch.setattr(
+            program, "run", lambda *a, **k: cuts.append(k["last_rows"]) or real(*a, **k)
+        )
+        for n in range(1, bs + 1):
+            got = block(n)
+            assert got.shape == (2, n, model.config.hidden_size)
+            assert torch.equal(got, whole[:, :n]), n
+        assert cuts == list(range(1, bs + 1))  # the C++ program ran each cut
+        monkeypatch.setattr(common, "CPP_LAYERS", False)
+        assert torch.equal(block(2), whole[:, :2])  # the Python loop
+        model.block_program = None
+        assert torch.equal(block(3), whole[:, :3])  # the modules
 
 
 @kernels

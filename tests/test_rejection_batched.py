@@ -32,10 +32,13 @@ def test_greedy_batch_matches_the_per_request_rules():
     g = torch.Generator().manual_seed(0)
     v = 12
     logits, props, want = [], [], []
-    for b, drafts in enumerate([[2, 3, 1], [4], [], [7, 7, 7, 7]]):
+    for b, drafts in enumerate([[2, 3, 1], [4], [], [7, 7, 7, 7], [9, 6]]):
         lg = torch.randn(len(drafts) + 1, v, generator=g)
         if b == 0:  # rig: rows 0 and 1 agree with the drafts, row 2 does not
             lg[0, 2] = lg[1, 3] = 50.0
+        if b == 4:  # ties: the first index wins (row 0 accepts 9, row 1 rejects 6 for 2)
+            lg[0, 9] = 50.0
+            lg[1, 2] = lg[1, 6] = 50.0
         logits.append(lg)
         q = torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long), v).float()
         props.append(Proposal(drafts, q.reshape(len(drafts), v), torch.ones(len(drafts))))
@@ -43,9 +46,9 @@ def test_greedy_batch_matches_the_per_request_rules():
         a = accept(p, q, drafts, True, g)
         nxt = resample(p[a], q[a], True, g) if a < len(drafts) else bonus(p[a], True, g)
         want.append((a, nxt))
-    got = verify_batch(logits, props, [GREEDY] * 4, [g] * 4)
+    got = verify_batch(logits, props, [GREEDY] * 5, [g] * 5)
     assert [(x.accepted, x.next_token) for x in got] == want
-    assert want[0][0] == 2  # the rig worked
+    assert want[0][0] == 2 and want[4] == (1, 2)  # the rigs worked
 
 
 def test_probs_rows_equal_target_probs_for_every_setting():

@@ -393,10 +393,17 @@ class FusedLayers:
         plan,  # from plan_for
         taps: dict[int, torch.Tensor],  # filled with the outputs of the layers in `wanted`
         wanted: set[int],
-    ) -> torch.Tensor:  # fp32 [B, S, d], the last layer's output
+        last_rows: int = 0,  # > 0: the last layer's o_proj / MLP on the first rows only
+    ) -> torch.Tensor:  # fp32 [B, S, d] (S = last_rows when set), the last layer's output
         """Run every layer (class docstring); layer i's output goes to ``taps[i]`` when i is
-        in ``wanted``. The caches are written in place, as by the modules."""
+        in ``wanted``. The caches are written in place, as by the modules.
+
+        ``last_rows`` (a block pass: :meth:`edgebuild.models.dspark.DSparkDraft.block_forward`)
+        cuts the last layer to the first ``last_rows`` rows of each sequence after its
+        attention, which still reads every row's K/V: the rows kept have the bits of the
+        whole pass (every kernel is row-invariant), the others' o_proj and MLP are skipped."""
         bsz, rows = x.shape[:2]
+        last_rows = last_rows if 0 < last_rows < rows else 0
         if self.flat is not None and CPP_LAYERS:  # the loop below in one C++ call
             f = self.flat
             hq, hkv, _, window, scale, _ = self.layers[0][-1]
@@ -405,6 +412,7 @@ class FusedLayers:
             outs = torch.ops.edgebuild_attn.decoder_layers(
                 x, kv_caches, f["w"], f["sl"], f["bias"], f["n"], f["kind"], f["norm"],
                 f["eps"], f["qk_norm"], f["qk_eps"], *a, hq, hkv, scale, order, new_mask,
+                last_rows,
             )  # fmt: skip
             taps.update(zip(order, outs[1:], strict=True))
             return outs[0]
@@ -421,7 +429,10 @@ class FusedLayers:
             h = step(
                 h.view(bsz, rows, hq + 2 * hkv, d), kv_caches[i], *a[0], hq, scale, *norms, a[1]
             )
-            h = o(h.view(bsz, rows, hq * d), *o_w, None, 0.0, False, x)
+            h = h.view(bsz, rows, hq * d)
+            if last_rows and i == len(self.layers) - 1:  # the kept rows only (docstring)
+                h, x = h[:, :last_rows].contiguous(), x[:, :last_rows].contiguous()
+            h = o(h, *o_w, None, 0.0, False, x)
             x = down(gu(h, *gu_w, n2.weight, n2.eps, False, None), *down_w, None, 0.0, True, h)
             if i in wanted:
                 taps[i] = x

@@ -235,17 +235,20 @@ class DSparkAttention(nn.Module):
 
     def write_context(
         self,
-        context: torch.Tensor,  # [B, M, d] C = hidden_norm(fc(F)), not input_layernorm'ed
+        context: torch.Tensor,  # [B, M, d] C = hidden_norm(fc(F)) (fc(F) with norm), not
+        # input_layernorm'ed
         kv_cache: torch.Tensor,  # [num_pages, 2, Hkv, page_size, D], written in place
         batch: PagedBatch,  # the context rows: past = cached rows, positions absolute
         rope_table: torch.Tensor,  # fp32 [max_position, head_dim]
+        norm: nn.Module | None = None,  # applied to context first (hidden_norm: C = norm(fc(F)))
     ) -> None:
         """Store K = rope(k_norm(k_proj(C))) and V = v_proj(C) of the context rows."""
         q = context.new_zeros(*context.shape[:2], self.q_proj.out_features)  # queries unused
         if use_packed(self.packed_kv):
-            qkv = torch.cat([q, self.packed_kv(context)], dim=-1)
+            qkv = torch.cat([q, self.packed_kv(context, norm)], dim=-1)
         else:
-            qkv = torch.cat([q, self.k_proj(context), self.v_proj(context)], dim=-1)
+            c = context if norm is None else norm(context).to(self.k_proj.weight.dtype)
+            qkv = torch.cat([q, self.k_proj(c), self.v_proj(c)], dim=-1)
         attention(
             qkv, kv_cache, batch, rope_table, None, self.k_norm.weight, self.context_spec, False
         )
@@ -406,16 +409,18 @@ class DSparkDraft(nn.Module):
         linears where the kernel keeps fp32 inputs (an int4 draft: int4 weights, fp32
         inputs; :meth:`pack_for_cpu`).
         """
+        return self.hidden_norm(self._fc(features)).to(self.fc.weight.dtype)
+
+    def _fc(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc(F)`` fp32 ``[B, M, d]`` (:meth:`project_context` before ``hidden_norm``)."""
         if features.shape[-1] != self.fc.in_features:
             raise ValueError(
                 f"DSparkDraft: features must be [B, M, n_t*d = {self.fc.in_features}] (taps "
                 f"{list(self.config.target_layer_ids)} concatenated), got {tuple(features.shape)}"
             )
         if use_packed(self.packed_fc):
-            c = self.packed_fc(features.float())  # fp32 in, fp32 out (pack_for_cpu)
-        else:
-            c = F.linear(features.float(), self.fc.weight.float())
-        return self.hidden_norm(c).to(self.fc.weight.dtype)
+            return self.packed_fc(features.float())  # fp32 in, fp32 out (pack_for_cpu)
+        return F.linear(features.float(), self.fc.weight.float())
 
     @torch.no_grad()
     def context_update(
@@ -436,10 +441,16 @@ class DSparkDraft(nn.Module):
                 :func:`edgebuild.ops.attention.paged_attention`.
         """
         self._check_caches(kv_caches)
-        context = self.project_context(features)
+        kv = [layer.self_attn.packed_kv for layer in self.layers]
+        if all(use_packed(p) and p.kernel_call() is not None for p in kv):
+            # on edgebuild's fp32 / int4 kernels hidden_norm runs inside each layer's packed
+            # k/v call (where it was ~6 torch ops)
+            context, norm = self._fc(features), self.hidden_norm
+        else:
+            context, norm = self.project_context(features), None
         table = self.rope_table(int(batch.positions.max()) + 1)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            layer.self_attn.write_context(context, cache, batch, table)
+            layer.self_attn.write_context(context, cache, batch, table, norm)
 
     @torch.no_grad()
     def block_forward(
@@ -447,23 +458,30 @@ class DSparkDraft(nn.Module):
         block_ids: torch.Tensor,  # int [B, Bs]: [anchor, mask x (Bs-1)]
         kv_caches: list[torch.Tensor],  # per draft layer, holding the context rows
         batch: PagedBatch,  # past = context rows, input_lengths = Bs, positions s..s+Bs-1
+        rows: int | None = None,  # the first rows wanted (the drafted ones); None: all Bs
     ) -> torch.Tensor:
-        """Run the block through the draft; returns ``h`` ``[B, Bs, d]`` after ``norm``.
+        """Run the block through the draft; returns ``h`` ``[B, rows or Bs, d]`` after
+        ``norm``.
 
         Every block row sees all cached context rows and all block rows (non-causal); the
         block's K/V are not written (spec §2.4-§2.6). ``h`` feeds :meth:`base_logits`, the
         Markov head and the confidence head. The target's final norm is never used.
+        ``rows``: only the first ``rows`` rows go through the last layer's o_proj and MLP
+        and the norm (on the CPU kernels, :meth:`FusedLayers.run`'s ``last_rows``); they
+        equal the whole block's first rows bit for bit (row-invariant kernels).
         """
         self._check_caches(kv_caches)
         x = self.embed_tokens(block_ids.long())
         table = self.rope_table(int(batch.positions.max()) + 1)
         program = self.block_program
         plan = None if program is None else program.plan_for(x, kv_caches, batch)
+        keep = x.shape[1] if rows is None else rows
         if plan is not None:  # the layers below as one C++ call (pack_for_cpu)
-            return self.norm(program.run(x, kv_caches, batch, table, plan, {}, set()))
+            x = program.run(x, kv_caches, batch, table, plan, {}, set(), last_rows=keep)
+            return self.norm(x)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cache, batch, table)
-        return self.norm(x)
+        return self.norm(x[:, :keep])
 
     @torch.no_grad()
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -178,7 +178,9 @@ class TorchDraft:
         for s, f in zip(seqs, features, strict=True):
             self.ring.advance(s, int(f.shape[0]))
 
-    def _ring_block(self, seqs: list[RingSequence], anchors: list[int]) -> torch.Tensor:
+    def _ring_block(
+        self, seqs: list[RingSequence], anchors: list[int], rows: int | None = None
+    ) -> torch.Tensor:
         bs = self.block_size
         for s in seqs:
             self.ring.make_room(self.allocator, s, s.total + bs)
@@ -191,7 +193,7 @@ class TorchDraft:
             positions=(total[:, None] + torch.arange(bs, dtype=torch.int32)[None, :]),
         )
         ids = self.model.block_input_ids(torch.tensor(anchors))
-        return self.model.block_forward(ids, self.pools, batch)
+        return self.model.block_forward(ids, self.pools, batch, rows)
 
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq)
@@ -223,23 +225,23 @@ class TorchDraft:
         (``constraints``: per sequence its grammar's DraftMask or None, see
         :meth:`DraftBackend.propose`).
 
-        Only the ``max(num_tokens)`` rows that are drafted reach ``lm_head``.
+        Only the ``max(num_tokens)`` rows that are drafted go through the block's last o_proj /
+        MLP (:meth:`DSparkDraft.block_forward` ``rows``) and ``lm_head``.
         """
         bs = self.block_size
-        if self.ring:
-            h = self._ring_block(seqs, anchors)  # the ring's pages hold the block's slots
+        n_max = max(num_tokens, default=0)
+        if n_max == 0:  # a budget-cut step: nothing to draft, no block pass
+            return [Proposal([], torch.zeros(0, 1), torch.ones(0), None) for _ in seqs]
+        if self.ring:  # only the n_max drafted rows leave the block's last layer
+            h = self._ring_block(seqs, anchors, n_max)  # the ring's pages hold the block's slots
         else:
             batch = make_batch(self.allocator, seqs, [bs] * len(seqs))
             try:
                 ids = self.model.block_input_ids(torch.tensor(anchors))
-                h = self.model.block_forward(ids, self.pools, batch)  # [B, Bs, d]
+                h = self.model.block_forward(ids, self.pools, batch, n_max)  # [B, n_max, d]
             finally:
                 for s in seqs:  # block K/V never persist: release the reserved pages
                     self.allocator.truncate(s, s.length)
-        n_max = max(num_tokens, default=0)
-        if n_max == 0:  # a budget-cut step: nothing to draft
-            return [Proposal([], torch.zeros(0, 1), torch.ones(0), None) for _ in seqs]
-        h = h[:, :n_max]
         base = self.model.base_logits(h)  # fp32 [B, n, V] (or [B, n, V'] over a token map)
         with one_thread():
             return self.walk(h, base, anchors, num_tokens, params, generators, constraints)

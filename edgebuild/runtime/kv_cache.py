@@ -331,11 +331,10 @@ class PageAllocator:
     def page_table(self, seqs: list[Sequence]) -> torch.Tensor:
         """int32 [B, max_pages] page table (unused entries 0)."""
         width = max(1, max(len(s.pages) for s in seqs))
-        table = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for b, s in enumerate(seqs):
-            if s.pages:
-                table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-        return table
+        # one tensor from the padded lists (a zeros + a copy per sequence cost ~10 us each)
+        return torch.tensor(
+            [list(s.pages) + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.int32
+        ).view(len(seqs), width)
 
 
 def allocate_pools(

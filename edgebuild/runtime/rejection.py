@@ -93,6 +93,8 @@ def verify_batch(
         # (f32_linear.argmax: no OpenMP region at two threads, whose spinning worker then
         # took the core the next pass's kernel pool needed)
         return [Verdict(0, int(f32_linear.argmax(lg[:1])[0])) for lg in logits]
+    if all(p.greedy for p in params):  # greedy: the rows' argmax on Python ints (as below)
+        return [_greedy_verdict(lg, p.tokens) for lg, p in zip(logits, proposals, strict=True)]
     flat = torch.cat([lg.float() for lg in logits]) if batch > 1 else logits[0].float()
     cu = torch.tensor([n + 1 for n in counts]).cumsum(0)  # cu_num_draft_tokens, bonus rows in
     starts = cu - torch.tensor(counts) - 1  # row of each request's anchor
@@ -121,6 +123,18 @@ def verify_batch(
     for b in sampled:
         nxt[b] = _correction(probs[b], proposals[b], acc[b], uniforms[b][counts[b]])
     return [Verdict(a, t) for a, t in zip(acc, nxt, strict=True)]
+
+
+def _greedy_verdict(logits: torch.Tensor, drafts: list[int]) -> Verdict:
+    """The greedy rule of :func:`verify_batch` for one request: drafts accepted while each
+    equals the target's argmax (first index on ties) of the row before it, then that row's
+    argmax (the correction, or the bonus after all n); ``logits`` fp32 ``[>= n + 1, V]``."""
+    n = len(drafts)
+    best = f32_linear.argmax(logits[: n + 1].float()).tolist()
+    a = 0
+    while a < n and best[a] == drafts[a]:
+        a += 1
+    return Verdict(a, best[a])
 
 
 def _sampled_rows(flat, starts, counts, params, generators, sampled):

@@ -39,6 +39,9 @@ def pad_rows(rows: list[torch.Tensor], fill: int = 0) -> torch.Tensor:
     return out
 
 
+SMALL_BATCH_ROWS = 256  # make_batch builds the positions of up to this many rows from lists
+
+
 def make_batch(
     allocator: PageAllocator,
     seqs: list[Sequence],
@@ -54,8 +57,13 @@ def make_batch(
     for s, n in zip(seqs, lengths, strict=True):
         allocator.reserve(s, n)
     width = max(lengths)
-    past = torch.tensor([s.length for s in seqs], dtype=torch.int32)
-    if positions is None:
+    pasts = [s.length for s in seqs]
+    past = torch.tensor(pasts, dtype=torch.int32)
+    if positions is None and len(seqs) * width <= SMALL_BATCH_ROWS:  # one tensor from lists
+        positions = torch.tensor(
+            [[p + i for i in range(width)] for p in pasts], dtype=torch.int32
+        ).view(len(seqs), width)
+    elif positions is None:
         positions = past[:, None] + torch.arange(width, dtype=torch.int32)[None, :]
     return PagedBatch(
         page_table=allocator.page_table(seqs),

@@ -456,8 +456,11 @@ at::Tensor decode_step(const at::Tensor& heads, at::Tensor cache, const at::Tens
 // layer's input and post-attention RMSNorms, qk_norm 2 i, 2 i + 1 its q / k norms (or none).
 // The step's attention inputs (cos .. mask, new_mask) and heads are shared by every layer; with
 // new_mask the step is a DSpark draft's block pass (decode_step's non-causal block: the rows
-// attend the cache (mask) and each other (new_mask), nothing is written). Returns the last
-// layer's output, then the outputs of the layers in `taps` (ascending).
+// attend the cache (mask) and each other (new_mask), nothing is written). last_rows (0: all)
+// cuts the last layer to the first last_rows rows of each sequence after its attention: a block
+// pass's K/V need every row, its o_proj and MLP only the rows that are drafted (every kernel is
+// row-invariant, so the kept rows have the same bits). Returns the last layer's output
+// ([B, last_rows or S, d]), then the outputs of the layers in `taps` (ascending).
 using F32Op = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                          int64_t, const c10::optional<at::Tensor>&, double, bool,
                          const c10::optional<at::Tensor>&);
@@ -490,7 +493,7 @@ std::vector<at::Tensor> decoder_layers(
     const at::Tensor& sin, const at::Tensor& write_b, const at::Tensor& write_i,
     const at::Tensor& write_pages, const at::Tensor& write_offsets, const at::Tensor& table,
     const at::Tensor& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef taps,
-    const c10::optional<at::Tensor>& new_mask) {
+    const c10::optional<at::Tensor>& new_mask, int64_t last_rows) {
   const int64_t L = caches.size();
   TORCH_CHECK(x_in.dim() == 3 && L > 0 && (int64_t)w.size() == 4 * L &&
                   (int64_t)sl.size() == 4 * L && (int64_t)bias.size() == 4 * L &&
@@ -500,6 +503,8 @@ std::vector<at::Tensor> decoder_layers(
               "decoder_layers: x must be [B, S, d]; 4 linears, 2 norms and 2 q/k norms a layer");
   const int64_t B = x_in.size(0), S = x_in.size(1), D = caches[0].size(4);
   TORCH_CHECK(write_b.numel() == B * S, "decoder_layers: every row of x must be valid (R = B S)");
+  TORCH_CHECK(last_rows >= 0 && last_rows <= S, "decoder_layers: last_rows must be in [0, S]");
+  const bool cut = last_rows > 0 && last_rows < S;
   for (size_t t = 0; t < taps.size(); ++t)
     TORCH_CHECK(taps[t] >= 0 && taps[t] < L && (t == 0 || taps[t] > taps[t - 1]),
                 "decoder_layers: taps must ascend within [0, layers)");
@@ -524,7 +529,12 @@ std::vector<at::Tensor> decoder_layers(
                                      write_b, write_i, write_pages, write_offsets, table, mask,
                                      hq, scale, qk_norm.get(2 * i), qk_norm.get(2 * i + 1),
                                      qk_eps, new_mask);
-    const at::Tensor h = linear(4 * i + 1, a.view({B, S, hq * D}), none, 0.0, false, x);
+    at::Tensor a3 = a.view({B, S, hq * D});
+    if (cut && i == L - 1) {  // the last layer's o_proj and MLP: the kept rows only
+      a3 = a3.narrow(1, 0, last_rows).contiguous();
+      x = x.narrow(1, 0, last_rows).contiguous();
+    }
+    const at::Tensor h = linear(4 * i + 1, a3, none, 0.0, false, x);
     const at::Tensor gu = linear(4 * i + 2, h, norm[2 * i + 1], eps[2 * i + 1], false, none);
     x = linear(4 * i + 3, gu, none, 0.0, true, h);
     if (next_tap < taps.size() && taps[next_tap] == i) {
@@ -549,7 +559,7 @@ TORCH_LIBRARY(edgebuild_attn, m) {
         "int[] n, int[] kind, Tensor[] norm, float[] eps, Tensor?[] qk_norm, float qk_eps, "
         "Tensor cos, Tensor sin, Tensor write_b, Tensor write_i, Tensor write_pages, "
         "Tensor write_offsets, Tensor table, Tensor mask, int hq, int hkv, float scale, "
-        "int[] taps, Tensor? new_mask=None) -> Tensor[]");
+        "int[] taps, Tensor? new_mask=None, int last_rows=0) -> Tensor[]");
 }
 TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) {
   m.impl("decode_attention", &decode_attention);
