@@ -46,6 +46,7 @@ from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
 from edgebuild.runtime.spec_schedule import ConfidenceScheduler
 from edgebuild.runtime.stopping import IncrementalDetokenizer, StopChecker
 from edgebuild.runtime.structured import RequestGrammar
+from edgebuild.runtime.threads import one_thread
 
 
 @dataclass
@@ -563,7 +564,14 @@ class DSparkDecoder(TargetOnlyDecoder):
     def _decode_with_taps(self, live: list[RequestState]) -> None:
         """A plain decode pass (no draft pass this step): a verify pass of no drafts, so a
         sampled request draws its token as in a step where it verifies none while others
-        do (one uniform, inverse CDF); its taps join the pending context."""
+        do (one uniform, inverse CDF); its taps join the pending context. A greedy batch
+        without grammars runs target-only's decode pass itself (the same token: the argmax of
+        the one row, after the same logits processors), with the taps asked for."""
+        if all(s.params.greedy and s.grammar is None for s in live):
+            out = self._decode_pass(live, self.taps)
+            for b, st in enumerate(live):
+                _append_pending(st, out.taps[b][:1])
+            return
         for st in live:
             if st.grammar is not None:
                 st.grammar.walk([])  # the mask of the one row
@@ -692,7 +700,8 @@ def _append_pending(st: RequestState, rows: torch.Tensor) -> None:
     if not fits:
         new = rows.new_empty((max(16, 2 * (n + m)), rows.shape[1]))
         if n:
-            new[:n] = cur
+            with one_thread():  # no OpenMP region: its spinning worker took the kernels' core
+                new[:n] = cur
         buf = new
     buf[n : n + m] = rows
     st.pending_buffer = buf

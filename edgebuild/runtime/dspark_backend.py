@@ -21,7 +21,7 @@ the block's rows are never written, so rolling a block back is nothing to undo a
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -37,6 +37,7 @@ from edgebuild.runtime.kv_cache import (
 )
 from edgebuild.runtime.markov_walk import constrain, draw_rows, follow, walk_lattice, walk_uniforms
 from edgebuild.runtime.sampling import SamplingParams
+from edgebuild.runtime.threads import one_thread
 from edgebuild.runtime.torch_backend import make_batch, pad_rows
 
 log = logging.getLogger("edgebuild.runtime")
@@ -55,27 +56,6 @@ def lattice_bytes(batch: int, n: int, k: int, hidden: int) -> int:
 
 
 ONE_THREAD_ROWS = 16  # a context update of at most this many rows runs its torch ops alone
-
-
-@contextmanager
-def one_thread():
-    """torch's intra-op threads set to 1 inside (restored after): for the draft's small torch
-    ops (top-k over the vocabulary, the lattice's matmuls, the context's fc). At two threads
-    their OpenMP regions left a spinning worker on the core edgebuild's kernel pool needed
-    (and the other way round): a draft pass's int4 linears took 2.5x, top-k 3x their one-thread
-    time (bench/README.md). edgebuild's kernels size their pool from the same setting, so a
-    short context update's linears and attention run on one thread too (measured faster as a
-    whole: a draft pass 4.3 -> 2.7 ms at two threads). The setting is process-wide: the
-    runtime's one worker thread owns the model, so nothing else runs torch meanwhile."""
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 class TorchDraft:

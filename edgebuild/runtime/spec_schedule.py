@@ -161,6 +161,15 @@ class StepCosts:
         is drafted, else the draft pass plus the verify pass of ``rows``; each kind scaled by
         what such steps measured (:meth:`observe`), which folds in the decoder's own work
         (sampling, bookkeeping) and the machine's current load."""
+        if len(rows) == 1:  # one request (most steps on a laptop): its profiled costs memoized
+            key = ("one", rows[0], drafted)
+            base = self._grid_memo.get(key)
+            if base is None:
+                base = self._grid_memo[key] = (
+                    self.verify_s([1]) if drafted <= 0
+                    else self.draft_s(1, drafted) + self.verify_s(rows)
+                )  # fmt: skip
+            return base * (self.decode_scale if drafted <= 0 else self.spec_scale)
         if drafted <= 0:
             return self.verify_s([1] * len(rows)) * self.decode_scale
         return (self.draft_s(len(rows), drafted) + self.verify_s(rows)) * self.spec_scale
