@@ -274,6 +274,33 @@ def test_a_block_cut_to_its_drafted_rows_keeps_their_bits(pair, quant, monkeypat
         assert torch.equal(block(3), whole[:, :3])  # the modules
 
 
+@pytest.mark.parametrize("small", [1024, 0])
+def test_the_page_table_holds_each_sequences_pages(small, monkeypatch):
+    """PageAllocator.page_table, from padded lists (a small table) or per sequence: each
+    row the sequence's pages, then zeros; int32 [B, max(1, most pages)]."""
+    from edgebuild.runtime import kv_cache
+
+    monkeypatch.setattr(kv_cache, "SMALL_TABLE", small)
+    alloc = kv_cache.PageAllocator(64, 4)
+    seqs = [alloc.new_sequence() for _ in range(3)]
+    for s, rows in zip(seqs, (9, 0, 30), strict=True):
+        alloc.reserve(s, rows)
+    table = alloc.page_table(seqs)
+    assert table.dtype == torch.int32 and table.shape == (3, 8)
+    for b, s in enumerate(seqs):
+        assert table[b].tolist() == list(s.pages) + [0] * (8 - len(s.pages))
+    empty = alloc.page_table([seqs[1]])
+    assert empty.tolist() == [[0]]
+
+
+@kernels
+def test_a_block_pass_of_no_rows_is_refused(pair):
+    with torch_threads(1):
+        draft = loaded_draft(pair, "int4")
+        with pytest.raises(ValueError, match="rows must be >= 1"):
+            draft.model.block_forward(torch.zeros(1, 5, dtype=torch.long), draft.pools, None, 0)
+
+
 @kernels
 def test_the_program_declines_a_block_it_cannot_run(pair):
     with torch_threads(1):

@@ -469,8 +469,13 @@ class DSparkDraft(nn.Module):
         ``rows``: only the first ``rows`` rows go through the last layer's o_proj and MLP
         and the norm (on the CPU kernels, :meth:`FusedLayers.run`'s ``last_rows``); they
         equal the whole block's first rows bit for bit (row-invariant kernels).
+
+        Raises:
+            ValueError: ``rows`` < 1; a wrong number of KV pools.
         """
         self._check_caches(kv_caches)
+        if rows is not None and rows < 1:
+            raise ValueError(f"DSparkDraft.block_forward: rows must be >= 1, got {rows}")
         x = self.embed_tokens(block_ids.long())
         table = self.rope_table(int(batch.positions.max()) + 1)
         program = self.block_program

@@ -172,6 +172,7 @@ class DensePlan:
 
 
 SMALL_PLAN_ROWS = 64  # KernelPlan.build computes a step of up to this many rows on Python ints
+SMALL_PLAN_PAGES = 1024  # ... whose page table has at most this many entries (it is listed whole)
 
 
 @dataclass
@@ -208,7 +209,8 @@ class KernelPlan:
         the page table cannot hold the rows."""
         page_table = batch.page_table
         bsz = page_table.shape[0]
-        if bsz * rows <= SMALL_PLAN_ROWS:  # a few rows: the indices in Python, 6 tensors made
+        if bsz * rows <= SMALL_PLAN_ROWS and page_table.numel() <= SMALL_PLAN_PAGES:
+            # a few rows of a small table: the indices in Python (the table read as a list)
             return cls._build_small(batch, rows, page_size, causal, write_kv)
         past, length = batch.past_lengths.long(), batch.input_lengths.long()
         top = int(((past + length) if write_kv else past).max())

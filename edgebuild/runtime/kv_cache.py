@@ -31,6 +31,8 @@ import torch
 
 from edgebuild.errors import RequestError
 
+SMALL_TABLE = 1024  # PageAllocator.page_table builds up to this many entries from lists
+
 
 class CacheCapacityError(RequestError):
     """Not enough free KV pages for a request (raised before any model work)."""
@@ -331,10 +333,16 @@ class PageAllocator:
     def page_table(self, seqs: list[Sequence]) -> torch.Tensor:
         """int32 [B, max_pages] page table (unused entries 0)."""
         width = max(1, max(len(s.pages) for s in seqs))
-        # one tensor from the padded lists (a zeros + a copy per sequence cost ~10 us each)
-        return torch.tensor(
-            [list(s.pages) + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.int32
-        ).view(len(seqs), width)
+        if len(seqs) * width <= SMALL_TABLE:  # one tensor from the padded lists (a zeros + a
+            # copy per sequence cost ~10 us each); a large table pads less in torch
+            return torch.tensor(
+                [list(s.pages) + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.int32
+            ).view(len(seqs), width)
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for b, s in enumerate(seqs):
+            if s.pages:
+                table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        return table
 
 
 def allocate_pools(
