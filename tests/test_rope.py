@@ -371,3 +371,20 @@ def test_the_cli_exits_2_on_a_rope_value_of_the_wrong_type(tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(ckpt)])
     assert result.exit_code == 2, result.output
     assert "config.json" in result.output and "rope_parameters.factor" in result.output
+
+
+def test_positions_outside_the_table_are_refused_whatever_their_count():
+    """check_positions on a few positions (Python ints) and on many (tensor ops): the same
+    refusal with the span, and float positions refused; in-range positions pass."""
+    from edgebuild.ops.rope import check_positions
+
+    table = torch.zeros(100, 8)
+    for n in (2, 64, 65, 300):
+        ok = torch.arange(n, dtype=torch.int32) % 100
+        check_positions(ok, table)
+        for bad, span in ((ok + 99, "99"), (ok - 1, "-1")):
+            with pytest.raises(ValueError, match=rf"positions span \[.*{span}.*\].*100 rows"):
+                check_positions(bad, table)
+    with pytest.raises(ValueError, match="integer tensor"):
+        check_positions(torch.zeros(3), table)
+    check_positions(torch.zeros(0, dtype=torch.long), table)

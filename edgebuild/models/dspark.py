@@ -335,6 +335,9 @@ class DSparkDraft(nn.Module):
         self.packed_lm_head: PackedLinear | None = None  # set by pack_for_cpu
         self.packed_fc: PackedLinear | None = None  # set by pack_for_cpu where fp32 in and out
         self.block_program: FusedLayers | None = None  # set by pack_for_cpu where it can run
+        # set by pack_for_cpu: every layer's packed k/v runs on edgebuild's fp32 / int4 kernels,
+        # so the context update runs hidden_norm inside those calls (context_update)
+        self.kv_norm_in_kernel = False
         # the draft vocabulary (edgebuild.speculative.token_map): int64 [V'] token ids, sorted;
         # base_logits' column j is token token_map[j]. None: the whole vocabulary.
         self.token_map: torch.Tensor | None = None
@@ -378,6 +381,9 @@ class DSparkDraft(nn.Module):
             fc = PackedLinear([self.fc], quant, int4_activations="fp32")
             self.packed_fc = fc if fc.f32_kernel or (fc.int4_f32 and not fc.int4_a8) else None
         self.block_program = FusedLayers.build(self.layers, block=True)
+        self.kv_norm_in_kernel = all(
+            layer.self_attn.packed_kv.kernel_call() is not None for layer in self.layers
+        )
         return self
 
     # ------------------------------------------------------------------ running
@@ -441,8 +447,7 @@ class DSparkDraft(nn.Module):
                 :func:`edgebuild.ops.attention.paged_attention`.
         """
         self._check_caches(kv_caches)
-        kv = [layer.self_attn.packed_kv for layer in self.layers]
-        if all(use_packed(p) and p.kernel_call() is not None for p in kv):
+        if self.kv_norm_in_kernel and use_packed(self.layers[0].self_attn.packed_kv):
             # on edgebuild's fp32 / int4 kernels hidden_norm runs inside each layer's packed
             # k/v call (where it was ~6 torch ops)
             context, norm = self._fc(features), self.hidden_norm

@@ -410,16 +410,7 @@ def _rope_rows(
     key = ("rope", table.data_ptr(), tuple(table.shape))
     rows = plan._memo.get(key)
     if rows is None:
-        if positions.numel() <= SMALL_PLAN_ROWS:  # the check on Python ints (~5 ops less)
-            listed = positions.flatten().tolist()
-            if (
-                positions.is_floating_point()
-                or min(listed, default=0) < 0
-                or (max(listed, default=0) >= table.shape[0])
-            ):
-                check_positions(positions, table)  # raises, with its message
-        else:
-            check_positions(positions, table)
+        check_positions(positions, table)
         half = table.shape[1] // 2
         r = table.float()[positions.long()].unsqueeze(2)  # [B, S, 1, rotary_dim]
         rows = (r[..., :half], r[..., half:])

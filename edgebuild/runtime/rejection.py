@@ -88,12 +88,9 @@ def verify_batch(
     """Accept, resample or bonus for every request (module docstring); one Verdict each."""
     counts = [len(p) for p in proposals]
     batch = len(proposals)
-    if not any(counts) and all(p.greedy for p in params):  # a draft-less greedy step: the
-        # argmax of each anchor row, as below (first index on ties), without the batch ops
-        # (f32_linear.argmax: no OpenMP region at two threads, whose spinning worker then
-        # took the core the next pass's kernel pool needed)
-        return [Verdict(0, int(f32_linear.argmax(lg[:1])[0])) for lg in logits]
-    if all(p.greedy for p in params):  # greedy: the rows' argmax on Python ints (as below)
+    if all(p.greedy for p in params):  # greedy: the rows' argmax on Python ints (the rule
+        # below, without its batch ops; f32_linear.argmax opens no OpenMP region, whose
+        # spinning worker at two threads took the core the next pass's kernel pool needed)
         return [_greedy_verdict(lg, p.tokens) for lg, p in zip(logits, proposals, strict=True)]
     flat = torch.cat([lg.float() for lg in logits]) if batch > 1 else logits[0].float()
     cu = torch.tensor([n + 1 for n in counts]).cumsum(0)  # cu_num_draft_tokens, bonus rows in
