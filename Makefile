@@ -31,7 +31,8 @@ DEMO_SPEC := {"method":"dspark","model":"$(DRAFT)","num_speculative_tokens":7}
 # then runs the pair with DSpark and target-only in the same process: text, tau, speedup.
 # One intra-op thread (also the runtime's default on 2 cores: cores - 1): two OpenMP threads ran
 # ~5-20x slower while other jobs shared the 2 cores of this host (DSpark 0.45 vs 9 tok/s).
-# The compute dtype is bf16 here (native AVX512-BF16); DSpark's output equals target-only's.
+# The compute dtype is the runtime's default (fp32 unless the CPU has AMX-BF16 or Arm bf16);
+# DSpark's output equals target-only's.
 demo: venv
 	$(EB) example prepare -o $(EXAMPLE)
 	OMP_NUM_THREADS=1 $(EB) run $(EXAMPLE) --prompt "The capital of France is" --max-tokens 12

@@ -1,4 +1,5 @@
-"""The compute dtype: bf16 where the CPU has native bf16, fp32 elsewhere; flags name choices."""
+"""The compute dtype: bf16 where the CPU has native bf16 and it is the faster choice (AMX, Arm),
+fp32 elsewhere; flags name choices."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from edgebuild.runtime import cpu
 REAL_DEFAULT = cpu.default_compute_dtype  # captured at collection, before conftest's fp32 patch
 
 SAPPHIRE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 avx512_vnni\n"
 SKYLAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
 ARM_V86 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 ORIN = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics\n"
@@ -24,6 +26,23 @@ def test_native_bf16_is_read_from_the_cpu_flags(text, native):
     info = cpu.cpu_bf16_support(text)
     assert info.native is native
     assert info.reason.startswith("native bf16") is native
+
+
+@pytest.mark.parametrize(
+    "text,kernel,dtype",
+    [
+        (SAPPHIRE, True, torch.bfloat16),  # AMX: edgebuild's AMX bf16 kernel
+        (ZEN4, True, torch.float32),  # avx512_bf16 without AMX: the fp32 kernel, bf16 weights
+        (ZEN4, False, torch.bfloat16),  # ... unless that kernel cannot run
+        (ARM_V86, False, torch.bfloat16),
+        (SKYLAKE, True, torch.float32),
+        (ORIN, False, torch.float32),
+    ],
+)
+def test_the_default_dtype_is_the_faster_native_one(text, kernel, dtype):
+    got, why = cpu.default_dtype_choice(cpu.cpu_bf16_support(text), fp32_kernel=kernel)
+    assert got is dtype
+    assert ("without AMX" in why) is (text == ZEN4 and kernel)
 
 
 def test_resolve_dtype_names_and_refusals():

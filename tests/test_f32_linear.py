@@ -113,6 +113,62 @@ def test_packed_linear_uses_the_kernel_for_fp32_with_bias():
     assert not bf16.f32_kernel  # bf16 weights never take the fp32 kernel
 
 
+def test_bf16_exact_weights_are_packed_as_bf16_in_the_kernels_order():
+    torch.manual_seed(4)
+    w = torch.randn(20, 37).bfloat16().float()  # every value a bf16: a bf16 checkpoint in fp32
+    assert f32_linear.exactly_bf16(w) and not f32_linear.exactly_bf16(w + 1e-3)
+    p = f32_linear.pack(w)
+    assert p.shape == (2, 37, 16) and p.dtype == torch.bfloat16
+    order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]  # as the kernel unpacks
+    for n in range(32):
+        for k in range(37):
+            want = float(w[n, k]) if n < 20 else 0.0
+            assert float(p[n // 16, k, order.index(n % 16)]) == want, (n, k)
+    assert f32_linear.pack(w, "fp32").dtype == torch.float32
+    assert f32_linear.pack(w + 1e-3).dtype == torch.float32  # not exactly bf16: fp32
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(20, 64), (37, 33), (960, 576), (3000, 576)])
+def test_bf16_stored_weights_give_the_fp32_layouts_bits(n, k):
+    """Widening a bf16 to fp32 is exact, so the kernel's products and sums are the same: every
+    row count (1-2 rows without software prefetch, 3+ with it; 6 rows a pass) and the fused
+    steps give the fp32 layout's bits exactly."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16().float()
+    bias = torch.randn(n, generator=g)
+    p32, p16 = f32_linear.pack(w, "fp32"), f32_linear.pack(w)
+    assert p16.dtype == torch.bfloat16
+    b = f32_linear.pack_bias(bias, p32)
+    x = torch.randn(40, k, generator=g)
+    full = f32_linear.linear(x, p16, b, n)
+    assert torch.equal(full, f32_linear.linear(x, p32, b, n))
+    for rows in (1, 2, 3, 5, 6, 7, 8, 13):
+        assert torch.equal(f32_linear.linear(x[:rows].contiguous(), p16, b, n), full[:rows])
+    nw = torch.rand(k, generator=g) + 0.5
+    res = torch.randn(7, n, generator=g)
+    kw = dict(norm_weight=nw, eps=1e-5, residual=res)
+    assert torch.equal(
+        f32_linear.linear(x[:7], p16, b, n, **kw), f32_linear.linear(x[:7], p32, b, n, **kw)
+    )
+
+
+def test_the_weight_storage_switch(monkeypatch):
+    w = torch.randn(16, 32).bfloat16().float()
+    try:
+        monkeypatch.setenv(f32_linear.WEIGHTS_ENV, "fp32")
+        f32_linear._reset()
+        assert f32_linear.pack(w).dtype == torch.float32
+        monkeypatch.setenv(f32_linear.WEIGHTS_ENV, "half")
+        f32_linear._reset()
+        with pytest.raises(MissingDependencyError, match="EDGEBUILD_FP32_WEIGHTS='half'"):
+            f32_linear.pack(w)
+    finally:
+        monkeypatch.delenv(f32_linear.WEIGHTS_ENV)
+        f32_linear._reset()
+    assert f32_linear.pack(w).dtype == torch.bfloat16
+
+
 def test_the_switch_turns_the_kernel_off_and_rejects_bad_values(monkeypatch):
     try:
         monkeypatch.setenv(f32_linear.ENV, "torch")

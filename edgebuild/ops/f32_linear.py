@@ -36,6 +36,7 @@ log = logging.getLogger("edgebuild.runtime")
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "f32_linear.cpp"
 ENV = "EDGEBUILD_FP32_KERNEL"
+WEIGHTS_ENV = "EDGEBUILD_FP32_WEIGHTS"  # auto | fp32: how pack stores weights (weight_storage)
 ACT_ENV = "EDGEBUILD_INT4_ACTIVATIONS"  # int8 | fp32: int4 linears' inputs (int4_activations)
 DEFAULT_INT4_ACTIVATIONS = "int8"
 BLOCK = 16  # output features per packed block
@@ -110,19 +111,59 @@ def _reset() -> None:
     """Forget what was decided (tests that change the switches)."""
     _load.cache_clear()
     int4_activations.cache_clear()
+    weight_storage.cache_clear()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout of a weight ``[out, in]`` (any float dtype, taken as fp32): fp32
+@functools.cache
+def weight_storage() -> str:
+    """``"auto"`` or ``"fp32"``: how :func:`pack` stores a weight, as
+    ``EDGEBUILD_FP32_WEIGHTS`` says (read once). ``auto`` (the default): as bf16 where every
+    value of the weight is exactly a bf16 (a bf16 checkpoint run in fp32), else fp32; ``fp32``:
+    always fp32 (twice the bytes, the same results: for comparisons).
+
+    Raises:
+        MissingDependencyError: the switch is not auto or fp32.
+    """
+    mode = os.environ.get(WEIGHTS_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "fp32"):
+        raise MissingDependencyError(f"{WEIGHTS_ENV}={mode!r}: use auto or fp32")
+    return mode
+
+
+def exactly_bf16(weight: torch.Tensor) -> bool:
+    """Whether every value of the float tensor ``weight`` is exactly a bf16 (fp32's low 16
+    bits all zero after the cast to fp32), so that storing it as bf16 loses nothing."""
+    w = weight.detach()
+    if w.dtype == torch.bfloat16:
+        return True
+    w = w.float().contiguous()
+    return not bool((w.view(torch.int32) & 0xFFFF).any())
+
+
+def pack(weight: torch.Tensor, storage: str | None = None) -> torch.Tensor:
+    """The kernel's layout of a weight ``[out, in]`` (any float dtype, taken as fp32):
     ``[ceil(out / 16), in, 16]``, element ``[b, k, j] = weight[16 b + j, k]``; outputs past
     ``out`` (padding to a whole block) are zero. The layout is this project's own
-    (``kernels/f32_linear.cpp`` reads it)."""
+    (``kernels/f32_linear.cpp`` reads it).
+
+    Stored as fp32, or, where every value is exactly a bf16 (:func:`exactly_bf16`: any bf16
+    checkpoint's weights run in fp32) and ``storage`` (default :func:`weight_storage`) is
+    ``auto``, as bf16 with the 16 values of each ``[b, k]`` in the order of outputs 0-3, 8-11,
+    4-7, 12-15 (the kernel widens them to fp32 with two in-lane unpacks). The kernel computes
+    the same fp32 products from either (widening a bf16 is exact), so :func:`linear` gives the
+    same bits; the bf16 copy is half the bytes a 1-row call streams from memory.
+    """
     n, k = weight.shape
     nb = -(-n // BLOCK)
-    w = weight.detach().float()
+    storage = storage or weight_storage()
+    bf16 = storage == "auto" and exactly_bf16(weight)
+    w = weight.detach().to(torch.bfloat16 if bf16 else torch.float32)
     if nb * BLOCK != n:
         w = torch.cat([w, w.new_zeros(nb * BLOCK - n, k)])
-    return w.reshape(nb, BLOCK, k).transpose(1, 2).contiguous()
+    w = w.reshape(nb, BLOCK, k).transpose(1, 2)
+    if bf16:  # [b, k, (half, quad, i)] -> [b, k, (quad, half, i)]: outputs 0-3, 8-11, 4-7, 12-15
+        w = w.reshape(nb, k, 2, 2, 4).transpose(2, 3).reshape(nb, k, BLOCK)
+    return w.contiguous()
 
 
 def pack_bias(bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor | None:
@@ -163,7 +204,7 @@ def linear(
     thread count. Call only when :func:`available` is True.
 
     Raises:
-        RuntimeError: x is not fp32 [rows, in] (``2 * in`` with swiglu), w not a packed fp32
+        RuntimeError: x is not fp32 [rows, in] (``2 * in`` with swiglu), w not a packed fp32 or bf16
             [blocks, in, 16], ``out_features`` does not fill the last block, the bias is not
             [16 * blocks], norm_weight not fp32 [in], residual not fp32 [rows, out_features],
             or both norm_weight and swiglu (the kernel's checks name the argument).

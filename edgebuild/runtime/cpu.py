@@ -1,8 +1,10 @@
 """What this CPU can do for the torch runtime: native bf16 detection and the compute dtype.
 
-The torch backend computes in bf16 by default where the CPU has native bf16 arithmetic
-(x86: the ``avx512_bf16`` or ``amx_bf16`` flags of ``/proc/cpuinfo``; Arm: the ``bf16``
-feature), and in fp32 elsewhere (emulated bf16 would be slower than fp32). ``--dtype`` on
+The torch backend computes in bf16 by default where the CPU has native bf16 arithmetic and bf16
+is the faster choice (x86 with ``amx_bf16`` in ``/proc/cpuinfo``; Arm: the ``bf16`` feature),
+and in fp32 elsewhere: emulated bf16 would be slower than fp32, and on x86 CPUs with
+``avx512_bf16`` but no AMX edgebuild's fp32 kernel, which keeps a bf16 checkpoint's weights in
+bf16, is faster than oneDNN's bf16 linear (:func:`default_dtype_choice`). ``--dtype`` on
 ``edgebuild run`` and ``edgellm-serve`` overrides the choice; parity checks use float32.
 """
 
@@ -60,11 +62,45 @@ def cpu_bf16_support(cpuinfo: str | None = None) -> CpuBf16:
     return CpuBf16(False, (), f"no native bf16 flag ({'/'.join(_BF16_FLAGS)}) on this CPU")
 
 
-def default_compute_dtype() -> torch.dtype:
-    """bf16 where :func:`cpu_bf16_support` finds native bf16, else fp32."""
+def default_dtype_choice(
+    info: CpuBf16 | None = None, fp32_kernel: bool | None = None
+) -> tuple[torch.dtype, str]:
+    """The runtime's default compute dtype here, and why (one line).
+
+    bf16 where the CPU computes it natively and bf16 is the faster choice: AMX-BF16 (edgebuild's
+    AMX bf16 kernel, :mod:`edgebuild.ops.amx_linear`) or Arm's ``bf16``. fp32 on CPUs without
+    native bf16, and also on x86 CPUs with ``avx512_bf16`` but no AMX (AMD Zen 4 / 5, Intel
+    Cooper Lake) where edgebuild's fp32 kernel runs: there bf16 linears are oneDNN's, outside
+    the fused layer loop, while the fp32 kernel keeps a bf16 checkpoint's weights in bf16 (the
+    same bytes, exact fp32 math): SmolLM2-135M decoded at 76.8 tok/s in fp32 against 26.3 in
+    bf16 on a Zen 4 core (bench/README.md, 2026-12-05).
+
+    Args:
+        info: the CPU's bf16 support (:func:`cpu_bf16_support` of this machine when None).
+        fp32_kernel: whether edgebuild's fp32 kernel runs here
+            (:func:`edgebuild.ops.f32_linear.available`, asked only when it decides).
+    """
     import torch
 
-    return torch.bfloat16 if cpu_bf16_support().native else torch.float32
+    info = info or cpu_bf16_support()
+    if not info.native:
+        return torch.float32, info.reason
+    if "avx512_bf16" in info.flags and "amx_bf16" not in info.flags:
+        if fp32_kernel is None:
+            from edgebuild.ops import f32_linear
+
+            fp32_kernel = f32_linear.available()
+        if fp32_kernel:
+            return torch.float32, (
+                f"{info.reason} without AMX: fp32 on edgebuild's kernel (bf16 weights kept as "
+                "bf16, fp32 math) is faster than oneDNN's bf16 here"
+            )
+    return torch.bfloat16, info.reason
+
+
+def default_compute_dtype() -> torch.dtype:
+    """The runtime's default compute dtype on this machine (:func:`default_dtype_choice`)."""
+    return default_dtype_choice()[0]
 
 
 def resolve_dtype(value: str | torch.dtype | None) -> torch.dtype:
@@ -119,6 +155,6 @@ def set_cpu_threads(threads: int | None) -> int:
 
 def describe_cpu() -> str:
     """One line for logs and ``edgebuild doctor``: machine, bf16 support, default dtype."""
-    bf16 = cpu_bf16_support()
-    dtype = "bfloat16" if bf16.native else "float32"
-    return f"{platform.machine()}: {bf16.reason}; default compute dtype {dtype}"
+    dtype, why = default_dtype_choice()
+    name = str(dtype).removeprefix("torch.")
+    return f"{platform.machine()}: {why}; default compute dtype {name}"

@@ -48,12 +48,44 @@ constexpr int64_t kChunk = 32;
 // gives input k's 16 weights as two vectors.
 struct F32Weights {
   const float* wb;
+  static constexpr int64_t kBytesPerK = kBlock * 4;
+  inline const char* at(int64_t k) const { return reinterpret_cast<const char*>(wb + k * kBlock); }
   inline void start(int64_t) {}
   inline void load(int64_t k, __m256& w0, __m256& w1) const {
     w0 = _mm256_loadu_ps(wb + k * kBlock);
     w1 = _mm256_loadu_ps(wb + k * kBlock + 8);
   }
 };
+
+// bf16 weights (f32_linear.pack of a weight whose every value is a bf16, as a bf16 checkpoint
+// run in fp32 is): the same [K, 16] block in half the bytes. A bf16 value widened to fp32 is
+// exact (its 16 bits are the fp32 value's high half), so the FMAs see the same fp32 weights and
+// the results are the fp32 layout's bit for bit; a 1-row call, which streams its weights from
+// memory, reads half as many bytes. The 16 bf16 of input k are stored as outputs
+// 0-3, 8-11, 4-7, 12-15, so that unpacking against zero (per 128-bit lane) puts outputs 0-7 in
+// w0 and 8-15 in w1 (two in-lane uops, no lane crossing).
+struct BF16Weights {
+  const uint16_t* wb;
+  static constexpr int64_t kBytesPerK = kBlock * 2;
+  inline const char* at(int64_t k) const { return reinterpret_cast<const char*>(wb + k * kBlock); }
+  inline void start(int64_t) {}
+  inline void load(int64_t k, __m256& w0, __m256& w1) const {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * kBlock));
+    const __m256i z = _mm256_setzero_si256();
+    w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+    w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+  }
+};
+
+// Software prefetch of fp32 / bf16 weights in calls of kPrefetchRows rows or more (a verify
+// pass). Such a call spends longer on each weight line than the hardware prefetcher expects, so
+// without it memory and FMAs did not overlap: all linears of a SmolLM2 token streamed from
+// memory (1 thread, Zen 4, bf16 weights; /tmp-style microbenchmark in bench/README.md) 6 rows
+// 27.9 -> 20 ms, 8 rows 39 -> 26.6 ms at 2 KiB ahead (512 B: 24.9 / 32.0, 8 KiB: 21.2 / 26.8).
+// A 1- or 2-row call got slower with it (1 row 9.4 -> 10.5-11 ms, 2 rows 10.9 -> 13-14 ms).
+// Prefetching changes no arithmetic: the bits are the same with or without it.
+constexpr int64_t kPrefetchRows = 3;
+constexpr int64_t kPrefetchBytes = 2048;
 
 // MR rows (1..6) x one block of 16 outputs over all of K: 2 * MR accumulators, 2 weight vectors
 // and 1 broadcast (15 of the 16 ymm registers at MR = 6). Per output and chunk of kChunk k, one
@@ -63,7 +95,8 @@ struct F32Weights {
 template <int MR, typename Weights>
 __attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64_t ldx, int64_t K,
                                                            Weights w, const float* bias,
-                                                           float* y, int64_t ldy, int64_t n_out) {
+                                                           float* y, int64_t ldy, int64_t n_out,
+                                                           bool prefetch) {
   // Named accumulators, not an array: GCC 12 kept an array of __m256 on the stack and stored
   // every accumulator back each k (store-bound: 8 rows ran at ~0.5 FMA a cycle).
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
@@ -79,6 +112,11 @@ __attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min<int64_t>(K, k0 + kChunk);
     w.start(k0);
+    if constexpr (Weights::kBytesPerK > 0) {  // this chunk's bytes, kPrefetchBytes ahead
+      if (prefetch)
+        for (int64_t off = 0; off < kChunk * Weights::kBytesPerK; off += 64)
+          _mm_prefetch(w.at(k0) + kPrefetchBytes + off, _MM_HINT_T0);
+    }
     a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
       __m256 w0, w1;
@@ -109,16 +147,17 @@ constexpr int kMaxRows = 6;
 template <typename Weights>
 inline void all_rows(const float* x, int64_t rows, int64_t K, const Weights& w, const float* bias,
                      float* y, int64_t ldy, int64_t n_out) {
+  const bool prefetch = rows >= kPrefetchRows;
   for (int64_t m = 0; m < rows; m += kMaxRows) {
     const float* xm = x + m * K;
     float* ym = y + m * ldy;
     switch (std::min<int64_t>(kMaxRows, rows - m)) {
-      case 1: block_rows<1>(xm, K, K, w, bias, ym, ldy, n_out); break;
-      case 2: block_rows<2>(xm, K, K, w, bias, ym, ldy, n_out); break;
-      case 3: block_rows<3>(xm, K, K, w, bias, ym, ldy, n_out); break;
-      case 4: block_rows<4>(xm, K, K, w, bias, ym, ldy, n_out); break;
-      case 5: block_rows<5>(xm, K, K, w, bias, ym, ldy, n_out); break;
-      default: block_rows<6>(xm, K, K, w, bias, ym, ldy, n_out); break;
+      case 1: block_rows<1>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      case 2: block_rows<2>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      case 3: block_rows<3>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      case 4: block_rows<4>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      case 5: block_rows<5>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      default: block_rows<6>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
     }
   }
 }
@@ -237,9 +276,10 @@ void add_residual(const char* op, at::Tensor& y, const c10::optional<at::Tensor>
 at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                       int64_t n, const c10::optional<at::Tensor>& norm_w, double eps, bool swiglu,
                       const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.size(2) == kBlock &&
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(w.dim() == 3 && (w.scalar_type() == at::kFloat || bf16) && w.size(2) == kBlock &&
                   w.is_contiguous(),
-              "f32_linear: w must be fp32 [ceil(out / 16), in, 16] (f32_linear.pack)");
+              "f32_linear: w must be fp32 or bf16 [ceil(out / 16), in, 16] (f32_linear.pack)");
   const int64_t K = w.size(1), NB = w.size(0);
   const at::Tensor x = kernel_input("f32_linear", x_in, K, norm_w, eps, swiglu);
   const int64_t rows = x.size(0);
@@ -248,14 +288,19 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
   auto y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out_shaped(y, x_in, n);
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
+  const void* wp = w.data_ptr();
   float* yp = y.data_ptr<float>();
   auto work = [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const float* wb = wp + blk * K * kBlock;
       const float* bb = bp ? bp + blk * kBlock : nullptr;
       const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
-      all_rows(xp, rows, K, F32Weights{wb}, bb, yp + blk * kBlock, n, n_out);
+      if (bf16) {
+        const uint16_t* wb = static_cast<const uint16_t*>(wp) + blk * K * kBlock;
+        all_rows(xp, rows, K, BF16Weights{wb}, bb, yp + blk * kBlock, n, n_out);
+      } else {
+        const float* wb = static_cast<const float*>(wp) + blk * K * kBlock;
+        all_rows(xp, rows, K, F32Weights{wb}, bb, yp + blk * kBlock, n, n_out);
+      }
     }
   };
   eb_pool::parallel_for(NB, 4, work);  // each output is computed by one thread: same bits
@@ -277,6 +322,8 @@ constexpr int64_t kGroup = 32;
 
 static_assert(kChunk == kGroup, "an int4 group must be one chunk of the sum");
 struct Int4Weights {
+  static constexpr int64_t kBytesPerK = 0;  // no software prefetch (compute-bound)
+  inline const char* at(int64_t) const { return nullptr; }
   const uint8_t* cb;  // [K, 8] codes of the block
   const float* sl;    // [K / 32, 2, 16] scale, lo of the block
   __m256 s0, s1, l0, l1;
