@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from edgebuild.errors import MissingDependencyError
-from edgebuild.ops import f32_linear
+from edgebuild.ops import amx_linear, f32_linear
+from edgebuild.ops import linear as linear_mod
 from edgebuild.ops.linear import PackedLinear
 
 _off = os.environ.get(f32_linear.ENV, "").strip().lower() == "torch"
@@ -110,7 +111,45 @@ def test_packed_linear_uses_the_kernel_for_fp32_with_bias():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(packed(x[1:2, 2:3]), got[1:2, 2:3])  # one row: the same bits
     bf16 = PackedLinear([torch.nn.Linear(64, 8).to(torch.bfloat16)])
-    assert not bf16.f32_kernel  # bf16 weights never take the fp32 kernel
+    assert not bf16.f32_kernel  # bf16 weights never take the fp32 path (fused fp32 steps)
+    assert bf16.bf16_f32 == linear_mod.bf16_on_f32_kernel()  # but may take the kernel (below)
+
+
+@needs_kernel
+def test_bf16_linears_without_amx_run_the_kernel_rounded_once(monkeypatch):
+    """A bf16 linear where AMX's kernel does not run: the fp32 kernel on the bf16 weights,
+    each output accumulated in fp32 over exact products and rounded to bf16 once (as oneDNN's
+    bf16 linear, in another order); row-invariant; EDGEBUILD_BF16_KERNEL=onednn turns it off."""
+    monkeypatch.setattr(amx_linear, "bf16_available", lambda: False)
+    linear_mod.bf16_on_f32_kernel.cache_clear()
+    try:
+        torch.manual_seed(6)
+        mods = [
+            torch.nn.Linear(576, n, bias=b).to(torch.bfloat16)
+            for n, b in ((100, True), (40, False))
+        ]
+        packed = PackedLinear(mods)
+        assert packed.bf16_f32 and packed.weight.dtype == torch.bfloat16
+        assert packed.kernel_call() is None  # not the fp32 layer loop's
+        x = torch.randn(2, 9, 576).bfloat16()
+        got = packed(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (2, 9, 140)
+        w = torch.cat([m.weight for m in mods]).float()
+        b = torch.cat([mods[0].bias.float(), torch.zeros(40)])
+        p32 = f32_linear.pack(w, "fp32")
+        want = f32_linear.linear(x.float(), p32, f32_linear.pack_bias(b, p32), 140)
+        assert torch.equal(got, want.bfloat16())  # the fp32 result, rounded once
+        ref = x.double() @ w.double().t() + b.double()
+        assert (got.double() - ref).abs().max() <= 2.0**-8 * ref.abs().max()  # bf16 rounding
+        for i in range(9):  # each row alone: the same bits
+            assert torch.equal(packed(x[:, i : i + 1]), got[:, i : i + 1])
+        res = torch.randn(2, 9, 140).bfloat16()
+        assert torch.equal(packed(x, residual=res), res + got)
+        monkeypatch.setenv(amx_linear.BF16_ENV, "onednn")
+        linear_mod.bf16_on_f32_kernel.cache_clear()
+        assert not PackedLinear(mods).bf16_f32
+    finally:
+        linear_mod.bf16_on_f32_kernel.cache_clear()
 
 
 def test_bf16_exact_weights_are_packed_as_bf16_in_the_kernels_order():

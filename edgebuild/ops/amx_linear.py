@@ -24,8 +24,9 @@ The C++ source is compiled at first use (:mod:`edgebuild.ops.cpu_build`: g++ and
 once, then cached). Two switches pick the kernels, each ``auto`` by default (this library where
 the CPU has AMX-BF16 and it builds, else the fallback, with one log line saying why):
 ``EDGEBUILD_INT4_KERNEL=auto|amx|torch`` (fallback: torch's int4 kernel) and
-``EDGEBUILD_BF16_KERNEL=auto|amx|onednn`` (fallback: oneDNN's packed linear). ``amx`` means
-this kernel or an error.
+``EDGEBUILD_BF16_KERNEL=auto|amx|onednn`` (fallback under ``auto``: edgebuild's fp32 kernel on
+the bf16 weights where it runs, :func:`edgebuild.ops.linear.bf16_on_f32_kernel`, else oneDNN's
+packed linear; ``onednn``: always oneDNN's). ``amx`` means this kernel or an error.
 """
 
 from __future__ import annotations
@@ -73,7 +74,11 @@ def _library() -> tuple[str | None, bool]:
 # kind -> (switch, the fallback's mode name, what runs instead)
 _KINDS = {
     "int4": (ENV, "torch", "torch's _weight_int4pack_mm_for_cpu"),
-    "bf16": (BF16_ENV, "onednn", "oneDNN's packed linear"),
+    "bf16": (
+        BF16_ENV,
+        "onednn",
+        "edgebuild's fp32 kernel on the bf16 weights where it runs (ops/linear.py bf16_on_f32_kernel), else oneDNN's packed linear",
+    ),
 }
 
 

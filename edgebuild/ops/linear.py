@@ -17,7 +17,9 @@ share a pass (tests/test_batch_invariance.py checks this for every packed shape 
 model). On CPUs with AMX-BF16 a bf16 linear runs edgebuild's own kernel instead
 (:mod:`edgebuild.ops.amx_linear`, ``EDGEBUILD_BF16_KERNEL``): row-invariant for every row
 count, no padded single row, no chunking, and 1.2-1.8x faster per decode linear than oneDNN
-on the AMX host (bench/README.md). fp32 runs edgebuild's own kernel on every x86-64 CPU with
+on the AMX host (bench/README.md). Without AMX, where edgebuild's fp32 kernel runs, a bf16 linear runs that
+kernel on its bf16 weights (:func:`bf16_on_f32_kernel`: fp32 accumulation, one rounding to bf16,
+row-invariant; 2.1x oneDNN's bf16 decode on a Zen 4 core). fp32 runs edgebuild's own kernel on every x86-64 CPU with
 AVX2 + FMA (:mod:`edgebuild.ops.f32_linear`, ``EDGEBUILD_FP32_KERNEL``): row-invariant for
 every row count, and one weight read serves up to 6 rows. Without it (other CPUs, or the
 switch at ``torch``) fp32 is not row-invariant (MKL's and oneDNN's fp32 results for a row both
@@ -28,6 +30,7 @@ than the packed kernel for one row), more rows the packed kernel (faster for 8 r
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +139,7 @@ class PackedLinear:
         self.int4_amx = self.bf16_amx = False  # edgebuild's AMX kernels (ops/amx_linear.py)
         self.f32_kernel = self.int4_f32 = False  # edgebuild's AVX2 kernels (ops/f32_linear.py)
         self.int4_a8 = False  # the AVX2 int4 kernel with int8-quantized inputs
+        self.bf16_f32 = False  # bf16 weights and activations on the fp32 kernel (no AMX)
         self._int4_act = int4_activations  # None: as EDGEBUILD_INT4_ACTIVATIONS says
         if quant == "int8":
             scale = fused.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
@@ -158,8 +162,11 @@ class PackedLinear:
             else:
                 self._amx_bias = None
             return
+        # bf16 without AMX: edgebuild's fp32 kernel on the bf16 weights (fp32 accumulation,
+        # rounded to bf16 once per output, as oneDNN's bf16 linear; row-invariant)
+        self.bf16_f32 = fused.dtype == torch.bfloat16 and bf16_on_f32_kernel()
         self.f32_kernel = fused.dtype == torch.float32 and f32_linear.available()
-        if self.f32_kernel:  # edgebuild's fp32 kernel: row-invariant for any row count
+        if self.f32_kernel or self.bf16_f32:  # edgebuild's fp32 kernel: row-invariant
             self.weight, self.packed = f32_linear.pack(fused), True
             self._f32_bias = f32_linear.pack_bias(self.bias, self.weight)
             return
@@ -224,6 +231,16 @@ class PackedLinear:
         run inside the kernel's call (one call for what were ~10 torch ops); otherwise as the
         torch ops :class:`~edgebuild.models.common.RMSNorm`, ``F.silu`` and ``+``.
         """
+        if self.bf16_f32:  # bf16 in and out, the kernel's fp32 between (one rounding)
+            if norm is not None:
+                x = norm(x)
+            if swiglu:
+                gate, up = x.chunk(2, dim=-1)
+                x = F.silu(gate) * up
+            y = torch.ops.edgebuild_f32.f32_linear(
+                x.float(), self.weight, self._f32_bias, self.out_features, None, 0.0, False, None
+            ).to(x.dtype)
+            return y if residual is None else residual + y
         if self.f32_kernel or self.int4_f32:  # fp32 weights / runtime: the kernels' own path
             return self._fused(x.float(), norm, swiglu, residual)
         if norm is not None:
@@ -257,6 +274,8 @@ class PackedLinear:
         (:class:`edgebuild.models.common.FusedLayers`).
         """
         ops = torch.ops.edgebuild_f32
+        if self.bf16_f32:  # bf16 activations: not the fp32 layer loop's
+            return None
         if self.f32_kernel:
             return ops.f32_linear, (self.weight, self._f32_bias, self.out_features)
         if self.int4_f32:
@@ -357,6 +376,21 @@ def dequantize_int4(
     sz = scale_and_zero.transpose(0, 1)  # [out, groups, 2]
     c = codes.float().reshape(out, k // group_size, group_size)
     return ((c - 8.0) * sz[..., :1] + sz[..., 1:]).reshape(out, k)
+
+
+@functools.cache
+def bf16_on_f32_kernel() -> bool:
+    """Whether bf16 linears run edgebuild's fp32 kernel on their bf16 weights here: where
+    AMX's bf16 kernel does not run (:func:`edgebuild.ops.amx_linear.bf16_available`), the fp32
+    kernel does (:func:`edgebuild.ops.f32_linear.available`) and ``EDGEBUILD_BF16_KERNEL`` is
+    not ``onednn``. Each output is accumulated in fp32 over the exact products of bf16 inputs
+    and weights and rounded to bf16 once, as oneDNN's bf16 linear does (in another order), and
+    a row's bits never depend on the rows beside it. Why: on a Zen 4 core (``avx512_bf16``,
+    no AMX) oneDNN's bf16 linears ran SmolLM2-135M's bf16 decode at 24.4 tok/s (bench/README.md).
+    """
+    if os.environ.get(amx_linear.BF16_ENV, "auto").strip().lower() == "onednn":
+        return False
+    return not amx_linear.bf16_available() and f32_linear.available()
 
 
 def use_packed(packed: PackedLinear | None) -> bool:
