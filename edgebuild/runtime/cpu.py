@@ -70,10 +70,12 @@ def default_dtype_choice(
     bf16 where the CPU computes it natively and bf16 is the faster choice: AMX-BF16 (edgebuild's
     AMX bf16 kernel, :mod:`edgebuild.ops.amx_linear`) or Arm's ``bf16``. fp32 on CPUs without
     native bf16, and also on x86 CPUs with ``avx512_bf16`` but no AMX (AMD Zen 4 / 5, Intel
-    Cooper Lake) where edgebuild's fp32 kernel runs: there bf16 linears are oneDNN's, outside
-    the fused layer loop, while the fp32 kernel keeps a bf16 checkpoint's weights in bf16 (the
-    same bytes, exact fp32 math): SmolLM2-135M decoded at 76.8 tok/s in fp32 against 26.3 in
-    bf16 on a Zen 4 core (bench/README.md, 2026-12-05).
+    Cooper Lake) where edgebuild's fp32 kernel runs: there a bf16 step runs its layers' small
+    ops as torch ops in a Python loop (its linears on that kernel too,
+    :func:`edgebuild.ops.linear.bf16_on_f32_kernel`), while fp32 runs the fused C++ layer loop
+    and keeps a bf16 checkpoint's weights in bf16 (the same bytes, exact fp32 math):
+    SmolLM2-135M decoded at 62.8-69.6 tok/s in fp32 against 47.2 in bf16 (24.4 on oneDNN's
+    bf16 linears) on a Zen 4 core at one thread (bench/README.md, 2026-12-05).
 
     Args:
         info: the CPU's bf16 support (:func:`cpu_bf16_support` of this machine when None).
@@ -92,8 +94,8 @@ def default_dtype_choice(
             fp32_kernel = f32_linear.available()
         if fp32_kernel:
             return torch.float32, (
-                f"{info.reason} without AMX: fp32 on edgebuild's kernel (bf16 weights kept as "
-                "bf16, fp32 math) is faster than oneDNN's bf16 here"
+                f"{info.reason} without AMX: fp32 on edgebuild's kernels (bf16 weights kept as "
+                "bf16, fp32 math, the fused layer loop) is faster than bf16 here"
             )
     return torch.bfloat16, info.reason
 
