@@ -310,8 +310,8 @@ def make_engines(args, skipped: dict) -> list[Engine]:
     modes += [(args.draft, True, False)] if args.full_vocab else []
     from edgebuild.runtime.cpu import default_compute_dtype
 
-    # --quant runs at the runtime's default compute dtype: bf16 where the CPU has it natively,
-    # else fp32 (edgebuild's AVX2 int4 kernel takes fp32 inputs)
+    # --quant runs at the runtime's default compute dtype: bf16 with AMX-BF16 (its int4 kernel),
+    # else fp32 (edgebuild's AVX2 int4 kernel takes fp32 inputs; runtime/cpu.py)
     quant_dtype = "bfloat16" if default_compute_dtype() == torch.bfloat16 else "float32"
     for threads in args.threads:
         if wanted("edgebuild onnxruntime"):

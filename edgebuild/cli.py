@@ -181,7 +181,8 @@ def doctor() -> None:
     type=click.Choice(DTYPE_CHOICES),
     default="auto",
     show_default=True,
-    help="CPU compute dtype; auto: bfloat16 where the CPU has native bf16, else float32.",
+    help="CPU compute dtype; auto: bfloat16 where the CPU has AMX-BF16 or Arm bf16, else "
+    "float32 (edgebuild doctor says which and why).",
 )
 @quant_option()
 @click.option(

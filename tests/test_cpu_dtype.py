@@ -45,6 +45,19 @@ def test_the_default_dtype_is_the_faster_native_one(text, kernel, dtype):
     assert ("without AMX" in why) is (text == ZEN4 and kernel)
 
 
+def test_the_default_dtype_never_raises_on_a_bad_kernel_switch(monkeypatch):
+    from edgebuild.ops import f32_linear
+
+    monkeypatch.setenv(f32_linear.ENV, "sse9")
+    f32_linear._reset()
+    try:
+        got, why = cpu.default_dtype_choice(cpu.cpu_bf16_support(ZEN4))
+        assert got is torch.bfloat16 and "without AMX" not in why  # no kernel: bf16
+    finally:
+        monkeypatch.delenv(f32_linear.ENV)
+        f32_linear._reset()
+
+
 def test_resolve_dtype_names_and_refusals():
     assert cpu.resolve_dtype("bf16") is torch.bfloat16
     assert cpu.resolve_dtype("float32") is torch.float32

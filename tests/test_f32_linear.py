@@ -145,11 +145,20 @@ def test_bf16_linears_without_amx_run_the_kernel_rounded_once(monkeypatch):
             assert torch.equal(packed(x[:, i : i + 1]), got[:, i : i + 1])
         res = torch.randn(2, 9, 140).bfloat16()
         assert torch.equal(packed(x, residual=res), res + got)
+        monkeypatch.setenv(f32_linear.ENV, "torch")
+        f32_linear._reset()  # the switches' resets forget this decision too
+        assert not PackedLinear(mods).bf16_f32
+        monkeypatch.delenv(f32_linear.ENV)
+        f32_linear._reset()
+        assert PackedLinear(mods).bf16_f32
         monkeypatch.setenv(amx_linear.BF16_ENV, "onednn")
-        linear_mod.bf16_on_f32_kernel.cache_clear()
+        amx_linear._reset()
         assert not PackedLinear(mods).bf16_f32
     finally:
-        linear_mod.bf16_on_f32_kernel.cache_clear()
+        monkeypatch.delenv(amx_linear.BF16_ENV, raising=False)
+        monkeypatch.delenv(f32_linear.ENV, raising=False)
+        f32_linear._reset()
+        amx_linear._reset()
 
 
 def test_bf16_exact_weights_are_packed_as_bf16_in_the_kernels_order():

@@ -109,6 +109,9 @@ def _reset() -> None:
     """Forget what was decided (tests that change the switches or the CPU flags)."""
     _library.cache_clear()
     _load.cache_clear()
+    from edgebuild.ops import linear  # decides from these switches (imports this module)
+
+    linear.bf16_on_f32_kernel.cache_clear()
 
 
 def available() -> bool:

@@ -112,6 +112,9 @@ def _reset() -> None:
     _load.cache_clear()
     int4_activations.cache_clear()
     weight_storage.cache_clear()
+    from edgebuild.ops import linear  # decides from this switch too (imports this module)
+
+    linear.bf16_on_f32_kernel.cache_clear()
 
 
 @functools.cache
@@ -151,7 +154,8 @@ def pack(weight: torch.Tensor, storage: str | None = None) -> torch.Tensor:
     ``auto``, as bf16 with the 16 values of each ``[b, k]`` in the order of outputs 0-3, 8-11,
     4-7, 12-15 (the kernel widens them to fp32 with two in-lane unpacks). The kernel computes
     the same fp32 products from either (widening a bf16 is exact), so :func:`linear` gives the
-    same bits; the bf16 copy is half the bytes a 1-row call streams from memory.
+    same bits (a NaN weight's payload aside: a NaN result either way); the bf16 copy is half the
+    bytes a 1-row call streams from memory.
     """
     n, k = weight.shape
     nb = -(-n // BLOCK)

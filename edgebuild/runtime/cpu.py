@@ -80,7 +80,9 @@ def default_dtype_choice(
     Args:
         info: the CPU's bf16 support (:func:`cpu_bf16_support` of this machine when None).
         fp32_kernel: whether edgebuild's fp32 kernel runs here
-            (:func:`edgebuild.ops.f32_linear.available`, asked only when it decides).
+            (:func:`edgebuild.ops.f32_linear.available`, asked only when it decides: the first
+            such call builds the kernel, ~10 s once; a bad ``EDGEBUILD_FP32_KERNEL`` counts as
+            no kernel here). Never raises.
     """
     import torch
 
@@ -89,9 +91,13 @@ def default_dtype_choice(
         return torch.float32, info.reason
     if "avx512_bf16" in info.flags and "amx_bf16" not in info.flags:
         if fp32_kernel is None:
+            from edgebuild.errors import MissingDependencyError
             from edgebuild.ops import f32_linear
 
-            fp32_kernel = f32_linear.available()
+            try:
+                fp32_kernel = f32_linear.available()
+            except MissingDependencyError:  # a bad EDGEBUILD_FP32_KERNEL: the kernel's own
+                fp32_kernel = False  # error comes when a linear is packed, not from here
         if fp32_kernel:
             return torch.float32, (
                 f"{info.reason} without AMX: fp32 on edgebuild's kernels (bf16 weights kept as "

@@ -70,8 +70,8 @@ class RuntimeOptions:
         ``build.max_batch_size`` such sequences.
     max_input_len: longest accepted prompt in tokens.
     page_size: KV page size in tokens.
-    dtype: compute dtype of the CPU models; None = bf16 on a CPU with native bf16, else fp32
-        (:func:`edgebuild.runtime.cpu.default_compute_dtype`).
+    dtype: compute dtype of the CPU models; None = the CPU's default: bf16 with AMX-BF16 or
+        Arm bf16, else fp32 (:func:`edgebuild.runtime.cpu.default_compute_dtype`).
     max_images: most images in one prompt (vision-language targets).
     quant: None, ``"int8"`` or ``"int4"``: weight-only int8 (per channel) or int4 (groups of
         32) linears on the CPU (opt-in: faster, but the outputs are the quantized model's, not

@@ -85,7 +85,8 @@ SPECULATIVE_HELP = speculative_help()  # the methods of the registry
     "--dtype",
     default="auto",
     type=click.Choice(DTYPE_CHOICES),
-    help="CPU compute dtype (auto: bfloat16 where the CPU has native bf16, else float32).",
+    help="CPU compute dtype (auto: bfloat16 where the CPU has AMX-BF16 or Arm bf16, else "
+    "float32; edgebuild doctor says which and why).",
 )
 @quant_option()
 @click.option(
