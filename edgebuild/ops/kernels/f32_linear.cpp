@@ -43,14 +43,18 @@ constexpr int64_t kBlock = 16;  // output features per packed block (two AVX2 ve
 // 30-layer NVFP4 model's fp32 logits to leave the onnxruntime parity tolerance (4.8e-3 > 3e-3).
 constexpr int64_t kChunk = 32;
 
-// Where a block's weights come from: fp32 (packed [K, 16]) or int4 (codes + scale / lo per
-// group, widened to fp32 here). start(k0) is called at each chunk of kChunk k; load(k, w0, w1)
-// gives input k's 16 weights as two vectors.
-struct F32Weights {
-  const float* wb;
-  static constexpr int64_t kBytesPerK = kBlock * 4;
+// Where a block's weights come from: fp32 or bf16 (packed [K, 16]), or int4 (codes + scale / lo
+// per group, widened to fp32 here). start(k0) is called at each chunk of kChunk k; load(k, w0,
+// w1) gives input k's 16 weights as two fp32 vectors; at(k) is input k's first byte (prefetch).
+template <typename T>
+struct BlockWeights {  // a [K, 16] block of T, 16 values per input k
+  const T* wb;
+  static constexpr int64_t kBytesPerK = kBlock * sizeof(T);
   inline const char* at(int64_t k) const { return reinterpret_cast<const char*>(wb + k * kBlock); }
   inline void start(int64_t) {}
+};
+
+struct F32Weights : BlockWeights<float> {
   inline void load(int64_t k, __m256& w0, __m256& w1) const {
     w0 = _mm256_loadu_ps(wb + k * kBlock);
     w1 = _mm256_loadu_ps(wb + k * kBlock + 8);
@@ -64,11 +68,7 @@ struct F32Weights {
 // memory, reads half as many bytes. The 16 bf16 of input k are stored as outputs
 // 0-3, 8-11, 4-7, 12-15, so that unpacking against zero (per 128-bit lane) puts outputs 0-7 in
 // w0 and 8-15 in w1 (two in-lane uops, no lane crossing).
-struct BF16Weights {
-  const uint16_t* wb;
-  static constexpr int64_t kBytesPerK = kBlock * 2;
-  inline const char* at(int64_t k) const { return reinterpret_cast<const char*>(wb + k * kBlock); }
-  inline void start(int64_t) {}
+struct BF16Weights : BlockWeights<uint16_t> {
   inline void load(int64_t k, __m256& w0, __m256& w1) const {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * kBlock));
     const __m256i z = _mm256_setzero_si256();
@@ -296,10 +296,10 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
       const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
       if (bf16) {
         const uint16_t* wb = static_cast<const uint16_t*>(wp) + blk * K * kBlock;
-        all_rows(xp, rows, K, BF16Weights{wb}, bb, yp + blk * kBlock, n, n_out);
+        all_rows(xp, rows, K, BF16Weights{{wb}}, bb, yp + blk * kBlock, n, n_out);
       } else {
         const float* wb = static_cast<const float*>(wp) + blk * K * kBlock;
-        all_rows(xp, rows, K, F32Weights{wb}, bb, yp + blk * kBlock, n, n_out);
+        all_rows(xp, rows, K, F32Weights{{wb}}, bb, yp + blk * kBlock, n, n_out);
       }
     }
   };
