@@ -77,9 +77,25 @@ _KINDS = {
     "bf16": (
         BF16_ENV,
         "onednn",
-        "edgebuild's fp32 kernel on the bf16 weights where it runs (ops/linear.py bf16_on_f32_kernel), else oneDNN's packed linear",
+        "edgebuild's fp32 kernel on the bf16 weights where it runs "
+        "(ops/linear.py bf16_on_f32_kernel), else oneDNN's packed linear",
     ),
 }
+
+
+def switch(kind: str) -> str:
+    """The mode ``kind``'s switch asks for (int4: ``EDGEBUILD_INT4_KERNEL``, bf16:
+    ``EDGEBUILD_BF16_KERNEL``): ``auto``, ``amx`` or the fallback's name (``torch`` /
+    ``onednn``).
+
+    Raises:
+        MissingDependencyError: the switch holds another value (names it and the choices).
+    """
+    env, fallback, _ = _KINDS[kind]
+    mode = os.environ.get(env, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "amx", fallback):
+        raise MissingDependencyError(f"{env}={mode!r}: use auto, amx or {fallback}")
+    return mode
 
 
 @functools.cache
@@ -87,9 +103,7 @@ def _load(kind: str = "int4") -> bool:
     """True when this library's ``kind`` linear (int4 / bf16) runs here, as its switch says.
     Raises MissingDependencyError when the switch is ``amx`` and it cannot, or is unknown."""
     env, fallback, instead = _KINDS[kind]
-    mode = os.environ.get(env, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "amx", fallback):
-        raise MissingDependencyError(f"{env}={mode!r}: use auto, amx or {fallback}")
+    mode = switch(kind)
     if mode == fallback:
         return False
     why, fixable = _library()

@@ -31,7 +31,6 @@ than the packed kernel for one row), more rows the packed kernel (faster for 8 r
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -232,16 +231,6 @@ class PackedLinear:
         run inside the kernel's call (one call for what were ~10 torch ops); otherwise as the
         torch ops :class:`~edgebuild.models.common.RMSNorm`, ``F.silu`` and ``+``.
         """
-        if self.bf16_f32:  # bf16 in and out, the kernel's fp32 between (one rounding)
-            if norm is not None:
-                x = norm(x)
-            if swiglu:
-                gate, up = x.chunk(2, dim=-1)
-                x = F.silu(gate) * up
-            y = torch.ops.edgebuild_f32.f32_linear(
-                x.float(), self.weight, self._f32_bias, self.out_features, None, 0.0, False, None
-            ).to(x.dtype)
-            return y if residual is None else residual + y
         if self.f32_kernel or self.int4_f32:  # fp32 weights / runtime: the kernels' own path
             return self._fused(x.float(), norm, swiglu, residual)
         if norm is not None:
@@ -292,7 +281,10 @@ class PackedLinear:
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         rows = x2.shape[0]
-        if self.bf16_amx:
+        if self.bf16_f32:  # bf16 in and out, the fp32 kernel between (one rounding)
+            y = f32_linear.linear(x2.float(), self.weight, self._f32_bias, self.out_features)
+            y = y.to(self.dtype)
+        elif self.bf16_amx:
             y = amx_linear.linear_bf16(x2, self.weight, self._amx_bias)
             if y.shape[1] != self.out_features:  # padded to a whole block of 16
                 y = y[:, : self.out_features]
@@ -390,7 +382,7 @@ def bf16_on_f32_kernel() -> bool:
     no AMX) SmolLM2-135M's bf16 decode ran at 24.4 tok/s on oneDNN's bf16 linears, 47.2 on
     this kernel (15.5 / 48.7 at two threads; bench/README.md).
     """
-    if os.environ.get(amx_linear.BF16_ENV, "auto").strip().lower() == "onednn":
+    if amx_linear.switch("bf16") == "onednn":
         return False
     return not amx_linear.bf16_available() and f32_linear.available()
 
