@@ -134,8 +134,10 @@ def weight_storage() -> str:
 
 
 def exactly_bf16(weight: torch.Tensor) -> bool:
-    """Whether every value of the float tensor ``weight`` is exactly a bf16 (fp32's low 16
-    bits all zero after the cast to fp32), so that storing it as bf16 loses nothing."""
+    """Whether every value of ``weight`` (any shape, any float dtype) is exactly a bf16: its
+    fp32 value's low 16 bits are all zero, so storing it as bf16 loses nothing (bf16 is the
+    high half of fp32). A bf16 tensor is; an fp32 copy of a bf16 checkpoint is. One pass over
+    the values (at packing, once)."""
     w = weight.detach()
     if w.dtype == torch.bfloat16:
         return True
