@@ -77,15 +77,17 @@ struct BF16Weights : BlockWeights<uint16_t> {
   }
 };
 
-// Software prefetch of fp32 / bf16 weights in calls of kPrefetchRows rows or more (a verify
-// pass). Such a call spends longer on each weight line than the hardware prefetcher expects, so
-// without it memory and FMAs did not overlap: all linears of a SmolLM2 token streamed from
-// memory (1 thread, Zen 4, bf16 weights; /tmp-style microbenchmark in bench/README.md) 6 rows
-// 27.9 -> 20 ms, 8 rows 39 -> 26.6 ms at 2 KiB ahead (512 B: 24.9 / 32.0, 8 KiB: 21.2 / 26.8).
-// A 1- or 2-row call got slower with it (1 row 9.4 -> 10.5-11 ms, 2 rows 10.9 -> 13-14 ms).
-// Prefetching changes no arithmetic: the bits are the same with or without it.
-constexpr int64_t kPrefetchRows = 3;
-constexpr int64_t kPrefetchBytes = 2048;
+// Software prefetch of fp32 / bf16 weights into L2 in calls of kPrefetchRows rows or more (a
+// verify pass). Such a call spends longer on each weight line than the hardware prefetcher
+// expects, so without it memory and FMAs did not overlap. All linears of a SmolLM2 token,
+// streamed from memory (bf16 weights, Zen 4, 1 thread; bench/README.md, runs of 2026-12-05 and
+// 2026-12-06): prefetch to L1 2 KiB ahead from 3 rows took 6 rows 27.9 -> 20 ms and 8 rows
+// 39 -> 26.6 ms, but slowed 1-2 rows; to L2 16 KiB ahead (8-32 KiB alike) it takes 2 rows
+// 14.1 -> 12.7 ms, 3 rows 16.0 -> 13.8, 6 rows 20.7 -> 17.9 against the L1 prefetch, and at 2
+// threads 2 rows 8.3 -> 7.9, 3 rows 8.8 -> 8.2. One row, memory-bound, gains nothing (slower at
+// 2 threads): not prefetched. Prefetching changes no arithmetic: the bits are the same.
+constexpr int64_t kPrefetchRows = 2;
+constexpr int64_t kPrefetchBytes = 16384;
 
 // MR rows (1..6) x one block of 16 outputs over all of K: 2 * MR accumulators, 2 weight vectors
 // and 1 broadcast (15 of the 16 ymm registers at MR = 6). Per output and chunk of kChunk k, one
@@ -112,10 +114,10 @@ __attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min<int64_t>(K, k0 + kChunk);
     w.start(k0);
-    if constexpr (Weights::kBytesPerK > 0) {  // this chunk's bytes, kPrefetchBytes ahead
+    if constexpr (Weights::kBytesPerK > 0) {  // this chunk's bytes, kPrefetchBytes ahead, to L2
       if (prefetch)
         for (int64_t off = 0; off < kChunk * Weights::kBytesPerK; off += 64)
-          _mm_prefetch(w.at(k0) + kPrefetchBytes + off, _MM_HINT_T0);
+          _mm_prefetch(w.at(k0) + kPrefetchBytes + off, _MM_HINT_T1);
     }
     a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = _mm256_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
