@@ -40,7 +40,10 @@ WEIGHTS_ENV = "EDGEBUILD_FP32_WEIGHTS"  # auto | fp32: how pack stores weights (
 ACT_ENV = "EDGEBUILD_INT4_ACTIVATIONS"  # int8 | fp32: int4 linears' inputs (int4_activations)
 DEFAULT_INT4_ACTIVATIONS = "int8"
 BLOCK = 16  # output features per packed block
-ISA_FLAGS = ["-mavx2", "-mfma"]  # every x86-64 CPU that has AVX-512 has these too
+# every x86-64 CPU that has AVX-512 has AVX2 + FMA too. -falign-loops=64: every inner loop starts
+# a 64-byte line, so its speed does not hang on where unrelated code happens to place it (one
+# build ran 4-row calls 14% slower than 5-row ones; bench/README.md, run of 2026-12-06)
+ISA_FLAGS = ["-mavx2", "-mfma", "-falign-loops=64"]
 NEEDS = {"avx2", "fma"}  # in /proc/cpuinfo
 
 
