@@ -232,6 +232,43 @@ def test_the_block_program_equals_the_modules_bit_for_bit(pair, quant, monkeypat
 
 @kernels
 @pytest.mark.parametrize("quant", ["none", "int4"])
+def test_the_context_update_in_one_call_writes_the_modules_cache_bits(pair, quant, monkeypatch):
+    """DSparkDraft.context_update as one edgebuild_attn::context_layers call writes every
+    layer's K/V pages bit for bit as the modules' path (each layer's write_context), for
+    unequal rows (padding rows in the pass), a second update after the first, and 1 / 2
+    threads; the one call ran each time."""
+    g = torch.Generator().manual_seed(0)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            pools, ran = [], []
+            for one_call in (True, False):
+                draft = loaded_draft(pair, quant)
+                model = draft.model
+                assert model.context_program is not None
+                if not one_call:
+                    model.context_program = None  # the oracle: the modules' path
+                real = model._context_in_one_call
+                monkeypatch.setattr(
+                    model,
+                    "_context_in_one_call",
+                    lambda *a, f=real, r=ran: r.append(f(*a)) or r[-1],
+                )
+                if one_call:
+                    width = model.fc.in_features
+                    updates = [[torch.randn(n, width, generator=g) * 50 for n in rows]
+                               for rows in ((3, 9, 1), (2, 1, 5))]  # fmt: skip
+                seqs = [draft.new_sequence() for _ in range(3)]
+                for feats in updates:
+                    draft.update_context(seqs, feats)
+                pools.append(draft.pools)
+            assert ran[-4:] == [True, True, False, False]  # the one call, then the modules'
+            for one, modules in zip(*pools, strict=True):
+                assert torch.equal(one, modules)
+            assert pools[0][0].abs().sum() > 0
+
+
+@kernels
+@pytest.mark.parametrize("quant", ["none", "int4"])
 def test_a_block_cut_to_its_drafted_rows_keeps_their_bits(pair, quant, monkeypatch):
     """block_forward(rows=n) runs the last layer's o_proj / MLP and the norm on the first n
     rows only: they equal the whole block's first n rows bit for bit on the C++ program, its

@@ -338,6 +338,9 @@ class DSparkDraft(nn.Module):
         # set by pack_for_cpu: every layer's packed k/v runs on edgebuild's fp32 / int4 kernels,
         # so the context update runs hidden_norm inside those calls (context_update)
         self.kv_norm_in_kernel = False
+        # set by pack_for_cpu where it can run: context_layers' per-layer arguments
+        # (_context_program), the context update as one C++ call
+        self.context_program: dict | None = None
         # the draft vocabulary (edgebuild.speculative.token_map): int64 [V'] token ids, sorted;
         # base_logits' column j is token token_map[j]. None: the whole vocabulary.
         self.token_map: torch.Tensor | None = None
@@ -384,7 +387,35 @@ class DSparkDraft(nn.Module):
         self.kv_norm_in_kernel = all(
             layer.self_attn.packed_kv.kernel_call() is not None for layer in self.layers
         )
+        self.context_program = self._context_program() if self.kv_norm_in_kernel else None
         return self
+
+    def _context_program(self) -> dict | None:
+        """``edgebuild_attn::context_layers``' per-layer lists (each layer's packed k/v call and
+        k norm; its attention's heads, scale and norm eps), when every layer shares those
+        settings; else None (the modules' path)."""
+        attns = [layer.self_attn for layer in self.layers]
+        specs = {
+            (a.context_spec.num_q_heads, a.context_spec.head_dim, a.context_spec.scale,
+             a.context_spec.rms_norm_eps)
+            for a in attns
+        }  # fmt: skip
+        if len(specs) != 1:
+            return None
+        kinds = {"f32_linear": 0, "int4_f32_linear": 1, "int4_a8_linear": 2}
+        prog = {k: [] for k in ("w", "sl", "bias", "n", "kind", "k_norm")}
+        empty = torch.empty(0)
+        for a in attns:
+            op, lead = a.packed_kv.kernel_call()
+            kind = kinds[op.default.name().split("::")[1]]
+            w, sl, bias, n = (lead[0], empty, *lead[1:]) if kind == 0 else lead
+            for key, v in zip(("w", "sl", "bias", "n", "kind"), (w, sl, bias, n, kind),
+                              strict=True):  # fmt: skip
+                prog[key].append(v)
+            prog["k_norm"].append(a.k_norm.weight)
+        ((hq, _, scale, eps),) = specs
+        prog.update(hq=hq, scale=float(scale), eps=float(eps))
+        return prog
 
     # ------------------------------------------------------------------ running
     def rope_table(self, max_position: int) -> torch.Tensor:
@@ -447,15 +478,57 @@ class DSparkDraft(nn.Module):
                 :func:`edgebuild.ops.attention.paged_attention`.
         """
         self._check_caches(kv_caches)
+        table = self.rope_table(int(batch.positions.max()) + 1)
         if self.kv_norm_in_kernel and use_packed(self.layers[0].self_attn.packed_kv):
             # on edgebuild's fp32 / int4 kernels hidden_norm runs inside each layer's packed
             # k/v call (where it was ~6 torch ops)
             context, norm = self._fc(features), self.hidden_norm
+            if self._context_in_one_call(context, kv_caches, batch, table):
+                return
         else:
             context, norm = self.project_context(features), None
-        table = self.rope_table(int(batch.positions.max()) + 1)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             layer.self_attn.write_context(context, cache, batch, table, norm)
+
+    def _context_in_one_call(
+        self,
+        context: torch.Tensor,  # fp32 [B, M, d] fc(F), hidden_norm not yet applied
+        kv_caches: list[torch.Tensor],
+        batch: PagedBatch,
+        table: torch.Tensor,
+    ) -> bool:
+        """The layers' context writes as one ``edgebuild_attn::context_layers`` call, where the
+        modules' path would run each layer's write as the C++ step (the same op calls with
+        the same inputs, so the same cache bits; tests/test_draft_program.py); False where it
+        would not (nothing done)."""
+        from edgebuild.models import common
+        from edgebuild.ops import attention_fast, attention_kernel
+
+        prog, spec = self.context_program, self.layers[0].self_attn.context_spec
+        if (
+            prog is None
+            or not common.CPP_LAYERS
+            or not attention_fast.FUSED_STEP
+            or batch.flat_valid is not None
+            or context.dtype != torch.float32
+            or not context.is_contiguous()
+            or context.shape[0] == 0
+            or torch.compiler.is_exporting()
+            or torch.compiler.is_compiling()
+            or not attention_kernel.usable(torch.float32, kv_caches[0], spec.head_dim)
+        ):
+            return False
+        plan = batch.kernel_plan(context.shape[1], kv_caches[0].shape[3], True, True)
+        if plan.page_table is None:
+            return False
+        rows = attention_fast.write_step_args(plan, batch.positions, table)
+        norm = self.hidden_norm
+        torch.ops.edgebuild_attn.context_layers(
+            context, kv_caches, prog["w"], prog["sl"], prog["bias"], prog["n"], prog["kind"],
+            norm.weight, float(norm.eps), prog["k_norm"], prog["eps"], *rows, prog["hq"],
+            prog["scale"],
+        )  # fmt: skip
+        return True
 
     @torch.no_grad()
     def block_forward(

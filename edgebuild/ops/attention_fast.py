@@ -608,6 +608,15 @@ def fused_step_args(
     return args
 
 
+def write_step_args(
+    plan: DensePlan | KernelPlan, positions: Tensor, rope_cos_sin: Tensor
+) -> tuple[Tensor, ...]:
+    """A write-only step's inputs of :func:`edgebuild.ops.attention_kernel.decode_step` after
+    ``heads`` and the cache (a DSpark draft's context update, no mask): ``(cos, sin, write_b,
+    write_i, write_pages, write_offsets, page_table)``, memoized on the plan."""
+    return _step_rows(plan, positions, rope_cos_sin)
+
+
 def _step_rows(
     plan: DensePlan | KernelPlan, positions: Tensor, rope_cos_sin: Tensor
 ) -> tuple[Tensor, ...]:

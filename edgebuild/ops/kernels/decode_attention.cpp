@@ -485,6 +485,21 @@ const LinearOps& linear_ops() {  // edgebuild_f32 is loaded: FusedLayers exists 
   return ops;
 }
 
+// Linear j's call as the dispatcher runs it (kind 0: f32_linear(x, w), 1: int4_f32_linear(x, w,
+// sl), 2: int4_a8_linear(x, w, sl)); `op` names the caller in the error.
+at::Tensor run_linear(const char* op, int64_t kind, const at::Tensor& w, const at::Tensor& sl,
+                      const c10::optional<at::Tensor>& b, int64_t n, const at::Tensor& x,
+                      const c10::optional<at::Tensor>& nw, double e, bool swiglu,
+                      const c10::optional<at::Tensor>& residual) {
+  const LinearOps& ops = linear_ops();
+  switch (kind) {
+    case 0: return ops.f32.call(x, w, b, n, nw, e, swiglu, residual);
+    case 1: return ops.int4_f32.call(x, w, sl, b, n, nw, e, swiglu, residual);
+    case 2: return ops.int4_a8.call(x, w, sl, b, n, nw, e, swiglu, residual);
+  }
+  TORCH_CHECK(false, op, ": linear kind ", kind, " (0, 1 or 2)");
+}
+
 std::vector<at::Tensor> decoder_layers(
     const at::Tensor& x_in, at::TensorList caches, at::TensorList w, at::TensorList sl,
     const c10::List<c10::optional<at::Tensor>>& bias, at::IntArrayRef n, at::IntArrayRef kind,
@@ -508,16 +523,10 @@ std::vector<at::Tensor> decoder_layers(
   for (size_t t = 0; t < taps.size(); ++t)
     TORCH_CHECK(taps[t] >= 0 && taps[t] < L && (t == 0 || taps[t] > taps[t - 1]),
                 "decoder_layers: taps must ascend within [0, layers)");
-  const LinearOps& ops = linear_ops();
   auto linear = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& nw,
                     double e, bool swiglu, const c10::optional<at::Tensor>& residual) {
-    const c10::optional<at::Tensor> b = bias.get(j);
-    switch (kind[j]) {
-      case 0: return ops.f32.call(x, w[j], b, n[j], nw, e, swiglu, residual);
-      case 1: return ops.int4_f32.call(x, w[j], sl[j], b, n[j], nw, e, swiglu, residual);
-      case 2: return ops.int4_a8.call(x, w[j], sl[j], b, n[j], nw, e, swiglu, residual);
-    }
-    TORCH_CHECK(false, "decoder_layers: linear kind ", kind[j], " (0, 1 or 2)");
+    return run_linear("decoder_layers", kind[j], w[j], sl[j], bias.get(j), n[j], x, nw, e,
+                      swiglu, residual);
   };
   const c10::optional<at::Tensor> none;
   std::vector<at::Tensor> out{x_in};
@@ -546,6 +555,42 @@ std::vector<at::Tensor> decoder_layers(
   return out;
 }
 
+// A DSpark draft's context update in one call (edgebuild.models.dspark.DSparkDraft.
+// context_update): per layer i its packed k/v linear (linear i of w / sl / bias / n / kind) on
+// the context rows c [B, S, d_in] with the RMSNorm `norm` inside the call (the draft's
+// hidden_norm: C = hidden_norm(fc(F)) feeds every layer's k/v directly), then decode_step with
+// no mask: the valid rows' K (k_norm i, RoPE) and V written to caches[i], nothing attended. The
+// same op calls with the same inputs as the modules' path (write_context), so the same bits;
+// what goes is ~0.15 ms of Python a layer. The step inputs are one write plan's, shared by the
+// layers (fused_step_args without the mask).
+void context_layers(const at::Tensor& c, at::TensorList caches, at::TensorList w,
+                    at::TensorList sl, const c10::List<c10::optional<at::Tensor>>& bias,
+                    at::IntArrayRef n, at::IntArrayRef kind, const at::Tensor& norm, double eps,
+                    const c10::List<c10::optional<at::Tensor>>& k_norm, double qk_eps,
+                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& write_b,
+                    const at::Tensor& write_i, const at::Tensor& write_pages,
+                    const at::Tensor& write_offsets, const at::Tensor& table, int64_t hq,
+                    double scale) {
+  const int64_t L = caches.size();
+  TORCH_CHECK(c.dim() == 3 && L > 0 && (int64_t)w.size() == L && (int64_t)sl.size() == L &&
+                  (int64_t)bias.size() == L && (int64_t)n.size() == L &&
+                  (int64_t)kind.size() == L && (int64_t)k_norm.size() == L,
+              "context_layers: c must be [B, S, d]; one k/v linear and one k norm a layer");
+  const int64_t B = c.size(0), S = c.size(1), D = caches[0].size(4);
+  const c10::optional<at::Tensor> none, nw{norm};
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor kv =
+        run_linear("context_layers", kind[i], w[i], sl[i], bias.get(i), n[i], c, nw, eps, false,
+                   none);  // [B, S, 2 Hkv D]
+    TORCH_CHECK(kv.size(-1) % D == 0, "context_layers: k/v width ", kv.size(-1),
+                " is not whole heads of ", D);
+    const at::Tensor heads = at::cat({at::zeros({B, S, hq * D}, kv.options()), kv}, -1);
+    decode_step(heads.view({B, S, hq + kv.size(-1) / D, D}), caches[i], cos, sin, write_b,
+                write_i, write_pages, write_offsets, table, none, hq, scale, none,
+                k_norm.get(i), qk_eps, none);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgebuild_attn, m) {
@@ -560,9 +605,14 @@ TORCH_LIBRARY(edgebuild_attn, m) {
         "Tensor cos, Tensor sin, Tensor write_b, Tensor write_i, Tensor write_pages, "
         "Tensor write_offsets, Tensor table, Tensor mask, int hq, int hkv, float scale, "
         "int[] taps, Tensor? new_mask=None, int last_rows=0) -> Tensor[]");
+  m.def("context_layers(Tensor c, Tensor(a!)[] caches, Tensor[] w, Tensor[] sl, Tensor?[] bias, "
+        "int[] n, int[] kind, Tensor norm, float eps, Tensor?[] k_norm, float qk_eps, "
+        "Tensor cos, Tensor sin, Tensor write_b, Tensor write_i, Tensor write_pages, "
+        "Tensor write_offsets, Tensor table, int hq, float scale) -> ()");
 }
 TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_step", &decode_step);
   m.impl("decoder_layers", &decoder_layers);
+  m.impl("context_layers", &context_layers);
 }
