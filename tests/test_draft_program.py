@@ -231,12 +231,29 @@ def test_the_block_program_equals_the_modules_bit_for_bit(pair, quant, monkeypat
 
 
 @kernels
-@pytest.mark.parametrize("quant", ["none", "int4"])
+@pytest.mark.parametrize("quant", ["none", "int4", "int4-fp32-inputs"])
 def test_the_context_update_in_one_call_writes_the_modules_cache_bits(pair, quant, monkeypatch):
     """DSparkDraft.context_update as one edgebuild_attn::context_layers call writes every
-    layer's K/V pages bit for bit as the modules' path (each layer's write_context), for
-    unequal rows (padding rows in the pass), a second update after the first, and 1 / 2
-    threads; the one call ran each time."""
+    layer's K/V pages bit for bit as the modules' path (each layer's write_context): fp32,
+    int4 with int8 and with fp32 inputs (each k/v kernel), unequal rows (padding rows in the
+    pass), a second update of more rows than a small plan takes, at 1 and 2 threads (the
+    short-update one-thread rule off); the one call ran each time."""
+    kind = {"none": 0, "int4": 2, "int4-fp32-inputs": 1}[quant]  # the k/v op context_layers runs
+    if quant == "int4-fp32-inputs":
+        monkeypatch.setenv(f32_linear.ACT_ENV, "fp32")
+        quant = "int4"
+    f32_linear._reset()
+    try:
+        _context_update_both_ways(pair, quant, kind, monkeypatch)
+    finally:
+        monkeypatch.delenv(f32_linear.ACT_ENV, raising=False)
+        f32_linear._reset()
+
+
+def _context_update_both_ways(pair, quant, kind, monkeypatch):
+    from edgebuild.runtime import dspark_backend
+
+    monkeypatch.setattr(dspark_backend, "ONE_THREAD_ROWS", 0)  # threads as set below
     g = torch.Generator().manual_seed(0)
     for threads in (1, 2):
         with torch_threads(threads):
@@ -244,7 +261,7 @@ def test_the_context_update_in_one_call_writes_the_modules_cache_bits(pair, quan
             for one_call in (True, False):
                 draft = loaded_draft(pair, quant)
                 model = draft.model
-                assert model.context_program is not None
+                assert model.context_program["kind"] == [kind] * len(model.layers)
                 if not one_call:
                     model.context_program = None  # the oracle: the modules' path
                 real = model._context_in_one_call
@@ -256,12 +273,12 @@ def test_the_context_update_in_one_call_writes_the_modules_cache_bits(pair, quan
                 if one_call:
                     width = model.fc.in_features
                     updates = [[torch.randn(n, width, generator=g) * 50 for n in rows]
-                               for rows in ((3, 9, 1), (2, 1, 5))]  # fmt: skip
+                               for rows in ((3, 9, 1), (2, 1, 30))]  # fmt: skip
                 seqs = [draft.new_sequence() for _ in range(3)]
                 for feats in updates:
                     draft.update_context(seqs, feats)
                 pools.append(draft.pools)
-            assert ran[-4:] == [True, True, False, False]  # the one call, then the modules'
+            assert ran == [True, True, False, False]  # the one call, then the modules'
             for one, modules in zip(*pools, strict=True):
                 assert torch.equal(one, modules)
             assert pools[0][0].abs().sum() > 0

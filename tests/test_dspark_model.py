@@ -9,6 +9,7 @@ the classes under test.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -689,6 +690,28 @@ def test_confidence_without_head_is_a_config_error(tmp_path):
     draft, _ = load_draft(tmp_path, "deepspec", "rnn", conf=False, conf_markov=False)
     with pytest.raises(ConfigError, match="no confidence head"):
         draft.confidence(torch.zeros(2, D), ANCHORS)
+
+
+def test_confidence_broadcasts_h_over_the_candidates_and_refuses_bad_shapes(tmp_path):
+    """The lattice's call (h [B, n, 1, d] against prev [B, n, K]) gives each candidate what
+    the one-row call gives for that row and token, within fp32 rounding; the reference
+    (ref_confidence: one dot over [h; W1[prev]]) agrees too. A wrong width, or leading dims
+    that would broadcast prev up, are refused by name."""
+    draft, w = load_draft(tmp_path, "specforge", "vanilla", conf=True, conf_markov=True)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 3, D, generator=g)
+    prev = torch.randint(0, V, (2, 3, 5), generator=g)
+    lattice = draft.confidence(h.unsqueeze(2), prev)
+    assert lattice.shape == (2, 3, 5) and lattice.dtype == torch.float32
+    for b, n, k in itertools.product(range(2), range(3), range(5)):
+        one = draft.confidence(h[b, n][None], prev[b, n, k][None])
+        ref = ref_confidence(w, h[b, n], int(prev[b, n, k]), True)
+        assert abs(float(lattice[b, n, k]) - float(one[0])) <= 1e-6
+        assert abs(float(one[0]) - float(ref)) <= TOL
+    with pytest.raises(ValueError, match=r"h must be \[\.\.\., 64\]"):
+        draft.confidence(torch.zeros(2, D + 1), ANCHORS)
+    with pytest.raises(ValueError, match="broadcast to prev"):
+        draft.confidence(torch.zeros(2, D), ANCHORS[:, None])  # [2] against [2, 1]: [2, 2]
 
 
 def test_specforge_draft_loads_with_heads_resolved_from_its_target(tmp_path):

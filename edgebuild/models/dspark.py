@@ -515,7 +515,7 @@ class DSparkDraft(nn.Module):
             or context.shape[0] == 0
             or torch.compiler.is_exporting()
             or torch.compiler.is_compiling()
-            or not attention_kernel.usable(torch.float32, kv_caches[0], spec.head_dim)
+            or not all(attention_kernel.usable(torch.float32, c, spec.head_dim) for c in kv_caches)
         ):
             return False
         plan = batch.kernel_plan(context.shape[1], kv_caches[0].shape[3], True, True)
@@ -636,6 +636,8 @@ class DSparkDraft(nn.Module):
 
         Raises:
             ConfigError: the draft has no confidence head.
+            ValueError: ``h_k`` is not ``[..., d]`` or (with the Markov input) its leading
+                dims do not broadcast to ``prev_ids``' shape.
         """
         cfg = self.config
         if self.confidence_head is None:
@@ -645,12 +647,24 @@ class DSparkDraft(nn.Module):
             )
         x = h_k.float()
         p = self.confidence_head.proj
-        w, d = p.weight.float()[0], x.shape[-1]
+        markov = cfg.confidence_head_with_markov
+        d = p.in_features - (self.markov_head.rank if markov else 0)
+        lead = tuple(x.shape[:-1])
+        if (
+            x.dim() == 0
+            or x.shape[-1] != d
+            or (markov and torch.broadcast_shapes(lead, prev_ids.shape) != prev_ids.shape)
+        ):
+            raise ValueError(
+                f"DSparkDraft.confidence: h must be [..., {d}] whose leading dims broadcast to "
+                f"prev's {tuple(prev_ids.shape)}, got {tuple(x.shape)}"
+            )
+        w = p.weight.float()[0]
         # proj([h; W1[prev]]) as h . w[:d] + W1[prev] . w[d:]: h may broadcast against prev
         # (the lattice's [B, n, 1, d] against [B, n, K]), so h's term is computed once a row,
         # not once a candidate (a [B, n, K, d + r] concatenation took ~0.1 ms a proposal)
         z = torch.matmul(x, w[:d])
-        if cfg.confidence_head_with_markov:
+        if markov:
             z = z + torch.matmul(self.markov_head.prev_embedding(prev_ids), w[d:])
         return torch.sigmoid(z + p.bias.float()[0])
 

@@ -561,8 +561,9 @@ std::vector<at::Tensor> decoder_layers(
 // hidden_norm: C = hidden_norm(fc(F)) feeds every layer's k/v directly), then decode_step with
 // no mask: the valid rows' K (k_norm i, RoPE) and V written to caches[i], nothing attended. The
 // same op calls with the same inputs as the modules' path (write_context), so the same bits;
-// what goes is ~0.15 ms of Python a layer. The step inputs are one write plan's, shared by the
-// layers (fused_step_args without the mask).
+// what goes is the Python around each layer's two calls (~0.05 ms a layer in a SmolLM2 draft
+// step: a 2-layer update 0.70 -> 0.65 ms). The step inputs are one write plan's, shared by the
+// layers (attention_fast.write_step_args).
 void context_layers(const at::Tensor& c, at::TensorList caches, at::TensorList w,
                     at::TensorList sl, const c10::List<c10::optional<at::Tensor>>& bias,
                     at::IntArrayRef n, at::IntArrayRef kind, const at::Tensor& norm, double eps,
