@@ -247,6 +247,21 @@ class PreNormDecoderLayer(nn.Module):
 CPP_LAYERS = True
 
 
+LINEAR_KINDS = {"f32_linear": 0, "int4_f32_linear": 1, "int4_a8_linear": 2}  # the C++ kinds
+
+
+def add_linear_args(lists: dict, op, lead: tuple) -> None:
+    """Append a kernel linear's arguments (``op``: the default overload of :meth:`~edgebuild.
+    ops.linear.PackedLinear.kernel_call`'s op; ``lead``: its lead arguments) to the
+    per-linear lists ``w``, ``sl``, ``bias``, ``n`` and ``kind`` of the C++ loops
+    (``edgebuild_attn::decoder_layers`` / ``context_layers``: kind 0 ``f32_linear(x, w)`` with
+    an empty ``sl``, 1 ``int4_f32_linear(x, w, sl)``, 2 ``int4_a8_linear(x, w, sl)``)."""
+    kind = LINEAR_KINDS[op.name().split("::")[1].split(".")[0]]
+    w, sl, bias, n = (lead[0], torch.empty(0), *lead[1:]) if kind == 0 else lead
+    for key, v in zip(("w", "sl", "bias", "n", "kind"), (w, sl, bias, n, kind), strict=True):
+        lists[key].append(v)
+
+
 class FusedLayers:
     """A decode / verify step's pre-norm decoder layers as flat kernel calls (or, built with
     ``block=True``, a DSpark draft's block pass: :meth:`build`).
@@ -283,19 +298,13 @@ class FusedLayers:
         """The per-layer lists of ``edgebuild_attn::decoder_layers`` (the whole loop in one C++
         call, the same op calls), when every layer shares its attention's heads, window, scale
         and q/k-norm eps (one set of step inputs); else None (the Python loop runs)."""
-        kinds = {"f32_linear": 0, "int4_f32_linear": 1, "int4_a8_linear": 2}
         shared = {(h[:5], h[5][2]) for *_, h in layers}
         if len(shared) != 1:
             return None
         flat = {k: [] for k in ("w", "sl", "bias", "n", "kind", "norm", "eps", "qk_norm")}
-        empty = torch.empty(0)
         for qkv, qkv_w, n1, o, o_w, gu, gu_w, n2, down, down_w, heads in layers:
             for op, lead in ((qkv, qkv_w), (o, o_w), (gu, gu_w), (down, down_w)):
-                kind = kinds[op.name().split("::")[1].split(".")[0]]
-                w, sl, bias, n = (lead[0], empty, *lead[1:]) if kind == 0 else lead
-                for key, v in zip(("w", "sl", "bias", "n", "kind"), (w, sl, bias, n, kind),
-                                  strict=True):  # fmt: skip
-                    flat[key].append(v)
+                add_linear_args(flat, op, lead)
             flat["norm"] += [n1.weight, n2.weight]
             flat["eps"] += [float(n1.eps), float(n2.eps)]
             flat["qk_norm"] += list(heads[5][:2])

@@ -59,6 +59,7 @@ from edgebuild.models.common import (
     PagedBatch,
     PreNormDecoderLayer,
     RMSNorm,
+    add_linear_args,
     attention,
     dense,
 )
@@ -402,16 +403,10 @@ class DSparkDraft(nn.Module):
         }  # fmt: skip
         if len(specs) != 1:
             return None
-        kinds = {"f32_linear": 0, "int4_f32_linear": 1, "int4_a8_linear": 2}
         prog = {k: [] for k in ("w", "sl", "bias", "n", "kind", "k_norm")}
-        empty = torch.empty(0)
         for a in attns:
             op, lead = a.packed_kv.kernel_call()
-            kind = kinds[op.default.name().split("::")[1]]
-            w, sl, bias, n = (lead[0], empty, *lead[1:]) if kind == 0 else lead
-            for key, v in zip(("w", "sl", "bias", "n", "kind"), (w, sl, bias, n, kind),
-                              strict=True):  # fmt: skip
-                prog[key].append(v)
+            add_linear_args(prog, op.default, lead)
             prog["k_norm"].append(a.k_norm.weight)
         ((hq, _, scale, eps),) = specs
         prog.update(hq=hq, scale=float(scale), eps=float(eps))
@@ -502,30 +497,39 @@ class DSparkDraft(nn.Module):
         the same inputs, so the same cache bits; tests/test_draft_program.py); False where it
         would not (nothing done)."""
         from edgebuild.models import common
-        from edgebuild.ops import attention_fast, attention_kernel
+        from edgebuild.ops import attention_fast
 
         prog, spec = self.context_program, self.layers[0].self_attn.context_spec
+        rows = context.shape[1]
         if (
             prog is None
             or not common.CPP_LAYERS
-            or not attention_fast.FUSED_STEP
             or batch.flat_valid is not None
-            or context.dtype != torch.float32
-            or not context.is_contiguous()
-            or context.shape[0] == 0
             or torch.compiler.is_exporting()
             or torch.compiler.is_compiling()
-            or not all(attention_kernel.usable(torch.float32, c, spec.head_dim) for c in kv_caches)
+            or not all(  # attention()'s own routing of each layer's write
+                attention_fast.kernel_route(
+                    context,
+                    c,
+                    spec.head_dim,
+                    rows,
+                    spec.causal,
+                    spec.write_kv,
+                    batch.prefill,
+                    False,
+                )
+                for c in kv_caches
+            )
         ):
             return False
-        plan = batch.kernel_plan(context.shape[1], kv_caches[0].shape[3], True, True)
+        plan = batch.kernel_plan(rows, kv_caches[0].shape[3], spec.causal, spec.write_kv)
         if plan.page_table is None:
             return False
-        rows = attention_fast.write_step_args(plan, batch.positions, table)
+        step = attention_fast.write_step_args(plan, batch.positions, table)
         norm = self.hidden_norm
         torch.ops.edgebuild_attn.context_layers(
             context, kv_caches, prog["w"], prog["sl"], prog["bias"], prog["n"], prog["kind"],
-            norm.weight, float(norm.eps), prog["k_norm"], prog["eps"], *rows, prog["hq"],
+            norm.weight, float(norm.eps), prog["k_norm"], prog["eps"], *step, prog["hq"],
             prog["scale"],
         )  # fmt: skip
         return True
