@@ -162,7 +162,8 @@ def test_a_lattice_over_the_memory_bound_is_walked_token_by_token_with_the_same_
     tiny, tmp_path, monkeypatch
 ):
     """A large draft_top_k must not build a K x K lattice (it OOM-killed a 24 GB host at
-    K=4096): over LATTICE_MAX_BYTES the walk goes token by token, with the same proposals."""
+    K=4096): over LATTICE_MAX_BYTES the walk goes token by token, with the same proposals
+    (and the greedy one-call path, which builds no lattice at any K, with them too)."""
     import edgebuild.runtime.dspark_backend as backend
 
     target_dir, model = tiny
@@ -171,20 +172,22 @@ def test_a_lattice_over_the_memory_bound_is_walked_token_by_token_with_the_same_
     params = SamplingParams(max_tokens=30)
     ref = [s.output_ids for s in target_only(model, prompts, params)]
     runs = {}
-    for bound in (backend.LATTICE_MAX_BYTES, 0):  # 0: every lattice is over the bound
-        monkeypatch.setattr(backend, "LATTICE_MAX_BYTES", bound)
+    for bound, one_call in ((backend.LATTICE_MAX_BYTES, False), (0, False), (0, True)):
+        monkeypatch.setattr(backend, "LATTICE_MAX_BYTES", bound)  # 0: every lattice is over
         draft = load_draft(draft_dir, target_dir, 7, top_k=16)
         calls = []
         lattice = draft.model.lattice
         monkeypatch.setattr(
             draft.model, "lattice", lambda *a, c=calls, f=lattice: c.append(1) or f(*a)
         )
+        if not one_call:  # the lattice / token-by-token walks the greedy path replaces
+            monkeypatch.setattr(draft.model, "greedy_path", lambda *a: None)
         got = speculative(model, draft, prompts, params, 7)
         assert [s.output_ids for s in got] == ref  # lossless either way
-        runs[bound] = ([s.metrics.acceptance_by_position for s in got], bool(calls))
-    (acc_lattice, used), (acc_token, used_small) = runs.values()
-    assert used and not used_small
-    assert acc_token == acc_lattice  # the same drafts were proposed and accepted
+        runs[bound, one_call] = ([s.metrics.acceptance_by_position for s in got], bool(calls))
+    (acc_lattice, used), (acc_token, used_small), (acc_path, used_path) = runs.values()
+    assert used and not used_small and not used_path
+    assert acc_token == acc_lattice == acc_path  # the same drafts were proposed and accepted
     assert backend.lattice_bytes(28, 7, 4096, 576) > 10 * 2**30  # the case that was killed
 
 

@@ -342,6 +342,8 @@ class DSparkDraft(nn.Module):
         # set by pack_for_cpu where it can run: context_layers' per-layer arguments
         # (_context_program), the context update as one C++ call
         self.context_program: dict | None = None
+        # set by pack_for_cpu: the Markov / confidence heads' weights as greedy_path passes them
+        self.walk_args: tuple | None = None
         # the draft vocabulary (edgebuild.speculative.token_map): int64 [V'] token ids, sorted;
         # base_logits' column j is token token_map[j]. None: the whole vocabulary.
         self.token_map: torch.Tensor | None = None
@@ -389,6 +391,7 @@ class DSparkDraft(nn.Module):
             layer.self_attn.packed_kv.kernel_call() is not None for layer in self.layers
         )
         self.context_program = self._context_program() if self.kv_norm_in_kernel else None
+        self.walk_args = self._walk_args()
         return self
 
     def _context_program(self) -> dict | None:
@@ -627,6 +630,55 @@ class DSparkDraft(nn.Module):
             else:
                 conf = self.confidence(h, prev[..., 0]).unsqueeze(-1).expand(-1, -1, top_k)
         return cand, scores.contiguous(), conf
+
+    @torch.no_grad()
+    def greedy_path(
+        self,
+        h: torch.Tensor,
+        base: torch.Tensor,
+        anchors: torch.Tensor,
+        counts: list[int],
+        top_k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The greedy walk of the top-k lattice (:meth:`lattice` then the argmax path of
+        :func:`edgebuild.runtime.markov_walk.walk_lattice`) as one C++ call that scores only
+        the path taken (:func:`edgebuild.ops.f32_linear.markov_greedy`); None where it does
+        not run (no kernel, an rnn head, export / compile), and the caller walks the lattice.
+
+        Args: ``h`` ``[B, n, d]``, ``base`` fp32 ``[B, n, V]`` (or ``[B, n, V']`` over the
+        :attr:`token_map`), ``anchors`` int ``[B]`` and ``top_k`` as :meth:`lattice`;
+        ``counts`` the slots to walk per request (each <= n).
+
+        Returns:
+            ``(cand int64 [B, n, K], choice int64 [B, n], confidence fp32 [B, n])``: slot s of
+            request b drafts ``cand[b, s, choice[b, s]]``; the confidence is the lattice's at
+            the path's previous token (ones without a confidence head). The choices equal the
+            lattice walk's except where two scores tie within the lattice's fp32 rounding
+            (here they are exact in double).
+        """
+        args = self.walk_args if self.walk_args is not None else self._walk_args()
+        if args is None or torch.compiler.is_exporting() or torch.compiler.is_compiling():
+            return None
+        w1, w2, gate, conf = args
+        return f32_linear.markov_greedy(
+            base, anchors, torch.tensor(counts), top_k, self.token_map, w1, w2, gate, h, conf
+        )
+
+    def _walk_args(self) -> tuple | None:
+        """:func:`edgebuild.ops.f32_linear.markov_greedy`'s head arguments (``w1``, ``w2``,
+        ``gate``, ``conf``, detached), or None for an rnn head (no such walk)."""
+        head, w1, w2, gate, conf = self.markov_head, None, None, None, None
+        if head is not None:
+            if head.head_type is MarkovHeadType.RNN:
+                return None
+            w1, w2 = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
+            if head.head_type is MarkovHeadType.GATED:
+                p = head.gate_proj
+                gate = (p.weight.detach().float().contiguous(), p.bias.detach().float())
+        if self.confidence_head is not None:
+            p = self.confidence_head.proj
+            conf = (p.weight.detach()[0].float().contiguous(), float(p.bias.detach()[0]))
+        return w1, w2, gate, conf
 
     @torch.no_grad()
     def confidence(self, h_k: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:

@@ -379,6 +379,63 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals, idx.gather(-1, order2)
 
 
+def markov_greedy(
+    base: torch.Tensor,
+    anchors: torch.Tensor,
+    counts: torch.Tensor,
+    k: int,
+    token_map: torch.Tensor | None = None,
+    w1: torch.Tensor | None = None,
+    w2: torch.Tensor | None = None,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    h: torch.Tensor | None = None,
+    conf: tuple[torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The greedy Markov walk of DSpark blocks over their top-k candidates, in one call
+    (spec §3 "Drafting" and "Top-k pruning"); None where edgebuild's kernel does not run.
+
+    For request b and slot ``s < counts[b]``: the candidates are :func:`topk` of
+    ``base[b, s]`` (best first, ties by lower index), mapped through ``token_map``; with
+    ``prev`` the anchor (slot 0) or the token chosen at slot s - 1 and ``e = w1[prev]``, the
+    score of candidate j is ``top_j + w2[cand_j] . u`` with ``u = e`` (vanilla) or
+    ``sigmoid(gate_w [h_s; e] + gate_b) * e`` (gated), no bias without ``w1``; the choice is
+    the first j of the largest score (NaN above every number), and the confidence
+    ``sigmoid(h_s . cw[:d] (+ e . cw[d:]) + cb)``. Products and sums run in double: a choice is
+    the exact argmax of its scores (the fp32 lattice of
+    :meth:`edgebuild.models.dspark.DSparkDraft.lattice` may choose otherwise at scores tied
+    within its rounding).
+
+    Args:
+        base: fp32 ``[B, n, V]`` base logits (over the token map's columns with one).
+        anchors: int ``[B]`` each block's anchor token; counts: int ``[B]`` slots to walk
+            (0..n).
+        k: candidates per slot (1..V).
+        token_map: int64 ``[V]`` column -> token id, or None (column j is token j).
+        w1, w2: fp32 / bf16 ``[vocab, r]`` ``markov_w1`` / ``markov_w2`` weights, or None.
+        gate: a gated head's fp32 ``(weight [r, d + r], bias [r])``, or None.
+        h: ``[B, >= n, d]`` fp32 / bf16 post-norm hidden (for the gate and confidence).
+        conf: the confidence head's ``(weight fp32 [d] or [d + r], bias)``, or None.
+
+    Returns:
+        ``(cand int64 [B, n, k], choice int64 [B, n], confidence fp32 [B, n])``: slots past
+        ``counts[b]`` hold zeros (cand, choice) and ones (confidence).
+
+    Raises:
+        RuntimeError: from the kernel, on shapes or token ids that do not fit (named).
+    """
+    if not available() or base.dtype != torch.float32 or base.device.type != "cpu":
+        return None
+
+    def flat(t):
+        return t if t is None or t.is_contiguous() else t.contiguous()
+
+    gw, gb = (None, None) if gate is None else (flat(gate[0].float()), flat(gate[1].float()))
+    cw, cb = (None, 0.0) if conf is None else (flat(conf[0].float()), float(conf[1]))
+    return torch.ops.edgebuild_f32.markov_greedy(
+        base, anchors, counts, int(k), token_map, *map(flat, (w1, w2)), gw, gb, flat(h), cw, cb
+    )
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` of fp32 ``x [..., V]`` (int64 ``[...]``): the first index of the
     largest value, of the first NaN where there is one (torch's rule).

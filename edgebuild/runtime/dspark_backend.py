@@ -35,7 +35,14 @@ from edgebuild.runtime.kv_cache import (
     Sequence,
     allocate_pools,
 )
-from edgebuild.runtime.markov_walk import constrain, draw_rows, follow, walk_lattice, walk_uniforms
+from edgebuild.runtime.markov_walk import (
+    constrain,
+    draw_rows,
+    follow,
+    greedy_proposals,
+    walk_lattice,
+    walk_uniforms,
+)
 from edgebuild.runtime.sampling import SamplingParams
 from edgebuild.runtime.threads import one_thread
 from edgebuild.runtime.torch_backend import make_batch, pad_rows
@@ -236,7 +243,10 @@ class TorchDraft:
         generators: list[torch.Generator],
         constraints: list | None = None,
     ) -> list[Proposal]:
-        """The Markov walk (module docstring): over the top-k lattice, the one walk the
+        """The Markov walk (module docstring). A greedy batch without grammars walks only the
+        path it takes, in one C++ call (:meth:`DSparkDraft.greedy_path`: ~0.1 ms a proposal
+        against ~0.6 ms for the lattice and its walk; the same drafts except at scores tied
+        within the lattice's fp32 rounding). Otherwise over the top-k lattice, the one walk the
         TensorRT draft runs too (:func:`walk_lattice`); token by token for an rnn head or the
         full vocabulary (``draft_top_k`` 0), where no lattice exists, and for a lattice over
         :data:`LATTICE_MAX_BYTES`."""
@@ -244,6 +254,15 @@ class TorchDraft:
         k_cand = self.top_k if 0 < self.top_k < vocab else vocab
         head = self.model.markov_head
         rnn = head is not None and head.head_type is MarkovHeadType.RNN
+        if (
+            k_cand < vocab
+            and not rnn
+            and all(p.greedy for p in params)
+            and (constraints is None or all(c is None for c in constraints))
+        ):  # greedy: only the path taken is scored, in one C++ call
+            got = self.model.greedy_path(h, base, torch.tensor(anchors), num_tokens, k_cand)
+            if got is not None:
+                return greedy_proposals(*got, num_tokens)
         small = lattice_bytes(*h.shape[:2], k_cand, h.shape[-1]) <= LATTICE_MAX_BYTES
         if k_cand < vocab and not rnn and small:
             cand, scores, conf = self.model.lattice(h, base, torch.tensor(anchors), k_cand)

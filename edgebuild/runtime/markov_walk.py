@@ -236,10 +236,25 @@ def _walk_greedy(
             choice[b, :n] = torch.tensor(path)
             if conf_rows is not None:
                 conf[b, :n] = torch.tensor(c)
-    q = torch.zeros(batch, n_max, cand.shape[-1])
+    return greedy_proposals(cand, choice, conf, num_tokens)
+
+
+def greedy_proposals(
+    cand: torch.Tensor,  # int64 [B, n, K] candidate ids per slot
+    choice: torch.Tensor,  # int64 [B, >= max(num_tokens)] the candidate taken at each slot
+    confidence: torch.Tensor,  # fp32 [B, >= max(num_tokens)] the confidence of each slot
+    num_tokens: list[int],
+) -> list[Proposal]:
+    """The Proposals of greedy walks (:func:`_walk_greedy`, or the one-call walk of
+    :func:`edgebuild.ops.f32_linear.markov_greedy`): request b drafts ``cand[b, s,
+    choice[b, s]]`` for ``s < num_tokens[b]``, ``q`` one-hot at the choice over
+    ``q_ids = cand[b, :n_b]``."""
+    n_max = max(num_tokens, default=0)
+    choice = choice[:, :n_max].long()
+    q = torch.zeros(cand.shape[0], n_max, cand.shape[-1])
     q.scatter_(2, choice.unsqueeze(-1), 1.0)  # one-hot at the choice
     tokens = cand[:, :n_max].gather(2, choice.unsqueeze(-1)).squeeze(-1).tolist()
     return [
-        Proposal(tokens[b][:n], q[b, :n], conf[b, :n], q_ids=cand[b, :n])
+        Proposal(tokens[b][:n], q[b, :n], confidence[b, :n], q_ids=cand[b, :n])
         for b, n in enumerate(num_tokens)
     ]

@@ -27,7 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -754,6 +754,194 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x_in, int64_t k) 
   return {vals, idx};
 }
 
+// The greedy walk of DSpark blocks over their top-k candidates in one call (the DSpark draft's
+// proposal for greedy requests, edgebuild.ops.f32_linear.markov_greedy; spec §3 "Drafting" and
+// "Top-k pruning"). For request b and slot k < counts[b]: the candidates are the top-k of
+// base[b, k] (topk_row's order), mapped through token_map where there is one; the previous
+// token is the anchor for slot 0, else the token chosen at slot k - 1; e = W1[prev];
+//   vanilla head: u = e;   gated: u = sigmoid(Wg [h_k; e] + bg) * e;   no head: no bias;
+//   score_j = top_j + W2[cand_j] . u, the choice the first j of the largest score (NaN first);
+//   confidence = sigmoid(h_k . cw[:d] (+ e . cw[d:] with the Markov input) + cb).
+// It walks only the path taken: O(k r) a slot where the lattice (DSparkDraft.lattice) scores
+// every (previous candidate, candidate) pair, O(k^2 r), in ~25 torch ops a proposal. Products
+// and sums are in double (fp32 / bf16 inputs are exact in double), so a choice is the exact
+// argmax of the scores; the lattice's fp32 matmul may choose otherwise only where two scores
+// tie to within its rounding (verification keeps the output the target's either way).
+struct Mat {  // a row-major [rows, cols] fp32 or bf16 matrix read as double
+  const void* p = nullptr;
+  int64_t rows = 0, cols = 0;
+  bool bf16 = false;
+  double at(int64_t r, int64_t c) const {
+    if (!bf16) return static_cast<const float*>(p)[r * cols + c];
+    const uint32_t u = uint32_t(static_cast<const uint16_t*>(p)[r * cols + c]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+};
+
+// m[row, off : off + len] . x in double (AVX2: four lanes, then their sum)
+double dot_row(const Mat& m, int64_t row, int64_t off, const double* x, int64_t len) {
+  __m256d acc = _mm256_setzero_pd();
+  int64_t c = 0;
+  if (!m.bf16) {
+    const float* p = static_cast<const float*>(m.p) + row * m.cols + off;
+    for (; c + 4 <= len; c += 4)
+      acc = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(p + c)), _mm256_loadu_pd(x + c), acc);
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(m.p) + row * m.cols + off;
+    for (; c + 4 <= len; c += 4) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c));
+      const __m128 f = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(b), 16));
+      acc = _mm256_fmadd_pd(_mm256_cvtps_pd(f), _mm256_loadu_pd(x + c), acc);
+    }
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, acc);
+  double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; c < len; ++c) sum += m.at(row, off + c) * x[c];
+  return sum;
+}
+
+Mat as_mat(const at::Tensor& t, const char* name) {
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                  t.is_contiguous() && t.dim() >= 1,
+              "markov_greedy: ", name, " must be a contiguous fp32 or bf16 tensor");
+  Mat m;
+  m.p = t.data_ptr();
+  m.cols = t.size(-1);
+  m.rows = m.cols ? t.numel() / m.cols : 0;
+  m.bf16 = t.scalar_type() == at::kBFloat16;
+  return m;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_greedy(
+    const at::Tensor& base_in, const at::Tensor& anchors_in, const at::Tensor& counts_in,
+    int64_t k, const c10::optional<at::Tensor>& token_map, const c10::optional<at::Tensor>& w1_in,
+    const c10::optional<at::Tensor>& w2_in, const c10::optional<at::Tensor>& gate_w_in,
+    const c10::optional<at::Tensor>& gate_b_in, const c10::optional<at::Tensor>& h_in,
+    const c10::optional<at::Tensor>& conf_w_in, double conf_b) {
+  TORCH_CHECK(base_in.dim() == 3 && base_in.scalar_type() == at::kFloat,
+              "markov_greedy: base must be fp32 [B, n, V]");
+  const at::Tensor base = base_in.contiguous();
+  const int64_t B = base.size(0), n = base.size(1), V = base.size(2);
+  TORCH_CHECK(k >= 1 && k <= V, "markov_greedy: k must be in 1..V (", V, "), got ", k);
+  const at::Tensor anchors = anchors_in.to(at::kLong).contiguous();
+  const at::Tensor counts = counts_in.to(at::kLong).contiguous();
+  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == B && counts.dim() == 1 &&
+                  counts.size(0) == B,
+              "markov_greedy: anchors and counts must be [B = ", B, "]");
+  const int64_t* ap = anchors.data_ptr<int64_t>();
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(cp[b] >= 0 && cp[b] <= n, "markov_greedy: counts[", b, "] = ", cp[b],
+                " is outside 0..n (", n, ")");
+  at::Tensor tmap;
+  if (token_map) {
+    tmap = token_map->to(at::kLong).contiguous();
+    TORCH_CHECK(tmap.dim() == 1 && tmap.size(0) == V,
+                "markov_greedy: token_map must be int [V = ", V, "]");
+  }
+  const int64_t* tp = tmap.defined() ? tmap.data_ptr<int64_t>() : nullptr;
+  const bool markov = w1_in.has_value();
+  TORCH_CHECK(markov == w2_in.has_value(), "markov_greedy: give both W1 and W2, or neither");
+  Mat w1, w2, gw, gb, h, cw;
+  if (markov) {
+    w1 = as_mat(*w1_in, "W1");
+    w2 = as_mat(*w2_in, "W2");
+    TORCH_CHECK(w1_in->dim() == 2 && w2_in->dim() == 2 && w1.rows == w2.rows &&
+                    w1.cols == w2.cols,
+                "markov_greedy: W1 and W2 must both be [vocab, rank]");
+  }
+  const int64_t r = w1.cols, vocab = markov ? w1.rows : 0;
+  if (h_in) {
+    h = as_mat(*h_in, "h");
+    TORCH_CHECK(h_in->dim() == 3 && h_in->size(0) == B && h_in->size(1) >= n,
+                "markov_greedy: h must be [B, >= n, d]");
+  }
+  const int64_t d = h.cols, h_rows = h_in ? h_in->size(1) : 0;
+  const bool gated = gate_w_in.has_value();
+  if (gated) {
+    TORCH_CHECK(markov && h_in && gate_b_in, "markov_greedy: a gated head needs W1, W2, h, bg");
+    gw = as_mat(*gate_w_in, "gate weight");
+    gb = as_mat(*gate_b_in, "gate bias");
+    TORCH_CHECK(gw.rows == r && gw.cols == d + r && gb.rows * gb.cols == r,
+                "markov_greedy: the gate must be [rank, d + rank] with a [rank] bias");
+  }
+  bool conf_markov = false;
+  if (conf_w_in) {
+    cw = as_mat(*conf_w_in, "confidence weight");
+    TORCH_CHECK(h_in && (cw.cols == d || (markov && cw.cols == d + r)),
+                "markov_greedy: the confidence weight must be [d] or [d + rank] with h given");
+    conf_markov = cw.cols == d + r && markov;
+  }
+  auto cand = at::zeros({B, n, k}, base.options().dtype(at::kLong));
+  auto choice = at::zeros({B, n}, base.options().dtype(at::kLong));
+  auto conf = at::ones({B, n}, base.options());
+  auto top = at::empty({B, n, k}, base.options());
+  const float* xp = base.data_ptr<float>();
+  float* tv = top.data_ptr<float>();
+  int64_t* cd = cand.data_ptr<int64_t>();
+  eb_pool::parallel_for(B * n, 1, [&](int64_t r0, int64_t r1) {  // every row's candidates
+    std::vector<Entry> buf;
+    buf.reserve(k + kSpill);
+    for (int64_t row = r0; row < r1; ++row) {
+      if (row % n >= cp[row / n]) continue;
+      int64_t* ids = cd + row * k;
+      topk_row(xp + row * V, V, k, buf, tv + row * k, ids);
+      if (tp)
+        for (int64_t j = 0; j < k; ++j) ids[j] = tp[ids[j]];
+    }
+  });
+  int64_t* ch = choice.data_ptr<int64_t>();
+  float* cf = conf.data_ptr<float>();
+  std::vector<double> e(r), u(r), hs(d);
+  for (int64_t b = 0; b < B; ++b) {  // the walk: a few hundred dot products a request
+    int64_t prev = ap[b];
+    for (int64_t s = 0; s < cp[b]; ++s) {
+      const int64_t row = b * n + s, hrow = b * h_rows + s;
+      for (int64_t c = 0; c < d; ++c) hs[c] = h.at(hrow, c);
+      if (markov) {
+        TORCH_CHECK(prev >= 0 && prev < vocab, "markov_greedy: token ", prev,
+                    " is outside the Markov head's vocabulary (", vocab, ")");
+        for (int64_t c = 0; c < r; ++c) e[c] = w1.at(prev, c);
+        for (int64_t c = 0; c < r; ++c) u[c] = e[c];
+        if (gated)
+          for (int64_t g = 0; g < r; ++g) {
+            const double z = gb.at(0, g) + dot_row(gw, g, 0, hs.data(), d) +
+                             dot_row(gw, g, d, e.data(), r);
+            u[g] = e[g] / (1.0 + std::exp(-z));
+          }
+      }
+      const int64_t* ids = cd + row * k;
+      int64_t best = 0;
+      double best_s = 0.0;
+      for (int64_t j = 0; j < k; ++j) {
+        double sc = tv[row * k + j];
+        if (markov) {
+          TORCH_CHECK(ids[j] >= 0 && ids[j] < vocab, "markov_greedy: candidate ", ids[j],
+                      " is outside the Markov head's vocabulary (", vocab, ")");
+          sc += dot_row(w2, ids[j], 0, u.data(), r);
+        }
+        const bool take = j == 0 || (std::isnan(sc) && !std::isnan(best_s)) ||
+                          (!std::isnan(best_s) && sc > best_s);
+        if (take) {
+          best = j;
+          best_s = sc;
+        }
+      }
+      if (cw.p) {
+        double z = conf_b + dot_row(cw, 0, 0, hs.data(), d);
+        if (conf_markov) z += dot_row(cw, 0, d, e.data(), r);
+        cf[row] = static_cast<float>(1.0 / (1.0 + std::exp(-z)));
+      }
+      ch[row] = best;
+      prev = ids[best];
+    }
+  }
+  return {cand, choice, conf};
+}
+
 bool available() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 }  // namespace
@@ -774,6 +962,10 @@ TORCH_LIBRARY(edgebuild_f32, m) {
       "Tensor");
   m.def("int8_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+  m.def(
+      "markov_greedy(Tensor base, Tensor anchors, Tensor counts, int k, Tensor? token_map, "
+      "Tensor? w1, Tensor? w2, Tensor? gate_w, Tensor? gate_b, Tensor? h, Tensor? conf_w, "
+      "float conf_b) -> (Tensor, Tensor, Tensor)");
   m.def("f32_available() -> bool", &available);
 }
 TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
@@ -782,4 +974,5 @@ TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
   m.impl("int4_a8_linear", &int4_a8_linear);
   m.impl("int8_rows", &int8_rows);
   m.impl("topk_rows", &topk_rows);
+  m.impl("markov_greedy", &markov_greedy);
 }
