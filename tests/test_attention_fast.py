@@ -336,3 +336,48 @@ def test_a_page_id_outside_the_pool_is_an_error_not_a_read():
         q, cache, torch.tensor([[0, 3]]), torch.zeros(1), mask, 0.25
     )
     assert ok.shape == (1, 4 * D) and torch.isfinite(ok).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 48])
+def test_rows_of_a_sequence_read_their_keys_together_with_each_rows_own_bits(dtype, d):
+    """decode_attention groups up to four rows of a sequence per KV head (each key read once
+    for them): every row equals the row computed alone, bit for bit (a verify row is a decode
+    row), and the masked softmax attention in float64 within rounding; runs of more than four
+    rows, two sequences, a row that sees nothing."""
+    if not attention_kernel.available():
+        pytest.skip("edgebuild's decode attention kernel does not build here")
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, ps, pages = 6, 2, 8, 12
+    cache = torch.randn(pages, 2, hkv, ps, d, generator=g).to(dtype)
+    table = torch.stack([torch.randperm(pages, generator=g)[:6] for _ in range(2)]).long()
+    row_b = torch.tensor([0] * 6 + [1] * 3)
+    keys = 6 * ps
+    mask = torch.zeros(9, keys, dtype=torch.bool)
+    for r, top in enumerate([30, 31, 32, 33, 34, 35, 5, 47, 0]):
+        mask[r, :top] = True  # causal rows; the last sees nothing
+    mask[2, 3] = False  # a hole
+    q = torch.randn(9, hq, d, generator=g).to(dtype)
+    scale = d**-0.5
+    out = torch.ops.edgebuild_attn.decode_attention(q, cache, table, row_b, mask, scale)
+    for r in range(9):
+        alone = torch.ops.edgebuild_attn.decode_attention(
+            q[r : r + 1].contiguous(),
+            cache,
+            table,
+            row_b[r : r + 1],
+            mask[r : r + 1].clone(),
+            scale,
+        )
+        assert torch.equal(out[r : r + 1], alone), r
+        b, group = int(row_b[r]), hq // hkv
+        k = cache[table[b], 0].double().permute(1, 0, 2, 3).reshape(hkv, keys, d)
+        v = cache[table[b], 1].double().permute(1, 0, 2, 3).reshape(hkv, keys, d)
+        want = torch.zeros(hq, d, dtype=torch.float64)
+        if mask[r].any():
+            for h in range(hq):
+                s = (k[h // group] @ q[r, h].double()) * scale
+                p = torch.softmax(s.masked_fill(~mask[r], float("-inf")), 0)
+                want[h] = p @ v[h // group]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[r].view(hq, d).double(), want, atol=tol, rtol=tol)

@@ -106,30 +106,66 @@ inline float exp_sum(float* s, int64_t n, float top) {
 }
 
 #ifdef EB_ATTN_AVX2
+// 8 values of a K / V row as fp32 (bf16 widened: exact)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
 // out[0 .. 8 NV) = sum_j p[j] * V_j[e0 .. e0 + 8 NV): j in order, one fma each, the NV
 // accumulators held in registers (through memory, the loop's stores cost a third of a verify
 // pass's attention).
-template <int NV>
-inline void weighted_sum(const float* const* vrows, int64_t e0, int64_t n, const float* p,
+template <int NV, typename T>
+inline void weighted_sum(const T* const* vrows, int64_t e0, int64_t n, const float* p,
                          float* out) {
   __m256 a[NV];
   for (int u = 0; u < NV; ++u) a[u] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = vrows[j] + e0;
+    const T* v = vrows[j] + e0;
     const __m256 w = _mm256_set1_ps(p[j]);
-    for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * u), a[u]);
+    for (int u = 0; u < NV; ++u) a[u] = _mm256_fmadd_ps(w, load8(v + 8 * u), a[u]);
   }
   for (int u = 0; u < NV; ++u) _mm256_storeu_ps(out + e0 + 8 * u, a[u]);
 }
 
 // weighted_sum over a head of D values (a multiple of 16), 64 at a time.
-inline void weighted_sum_head(const float* const* vrows, int64_t n, const float* p, float* out,
+template <typename T>
+inline void weighted_sum_head(const T* const* vrows, int64_t n, const float* p, float* out,
                               int64_t D) {
   int64_t e = 0;
   for (; e + 64 <= D; e += 64) weighted_sum<8>(vrows, e, n, p, out);
   if (D - e == 48) weighted_sum<6>(vrows, e, n, p, out);
   if (D - e == 32) weighted_sum<4>(vrows, e, n, p, out);
   if (D - e == 16) weighted_sum<2>(vrows, e, n, p, out);
+}
+
+// s[j] = dot(q, K_j) * scale for a head of 64 (q's 8 vectors held in registers; dot's
+// arithmetic: two accumulators over d in steps of 16, added, then hsum8); returns the running
+// max (NaN scores never raise it). `prefetch`: the K and V rows 4 keys ahead are fetched (the
+// first pass over the keys; the other heads and rows find them in cache).
+template <typename T>
+inline float scores64(const float* q, const T* const* krows, const T* const* vrows, int64_t n,
+                      float scale, float* s, float top, bool prefetch) {
+  __m256 qv[8];
+  for (int u = 0; u < 8; ++u) qv[u] = _mm256_loadu_ps(q + 8 * u);
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch && j + 4 < n)
+      for (int64_t off = 0; off < 64 * static_cast<int64_t>(sizeof(T)); off += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(krows[j + 4]) + off, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(vrows[j + 4]) + off, 0, 2);
+      }
+    const T* k = krows[j];
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int u = 0; u < 8; u += 2) {
+      a0 = _mm256_fmadd_ps(qv[u], load8(k + 8 * u), a0);
+      a1 = _mm256_fmadd_ps(qv[u + 1], load8(k + 8 * u + 8), a1);
+    }
+    const float x = hsum8(_mm256_add_ps(a0, a1)) * scale;
+    s[j] = x;
+    top = x > top ? x : top;
+  }
+  return top;
 }
 #endif
 
@@ -151,11 +187,22 @@ struct NewKeys {
   int64_t S = 0, W = 0, Hq = 0;
 };
 
-// One chunk of work item (row r, KV head kvh): the `group` query heads that share that KV
-// head read each K / V row once (widened once for bf16). Each head's arithmetic is the same,
-// in the same order, as a head computed alone: its scores `dot(q, k) * scale` in key order
-// (the pool's keys, then the step's new rows), softmax from the running max, and the weighted
-// sum of V in key order.
+// A work item is (up to kRowsPerItem rows of one sequence, KV head kvh). First each row's
+// visible keys are listed in order as K / V row pointers (the pool's keys by page, then the
+// step's new rows: no division a key); then each (row, head) alone runs over its list: the
+// scores dot(q, K_j) * scale (q held in registers for a head of 64, scores64), softmax from the
+// running max, the weighted sum of V in key order. The first (row, head) of an item prefetches
+// the K / V rows 4 keys ahead (a page's rows sit 4-16 KiB from the next page's, where the
+// hardware prefetcher starts over); the other heads and rows of the item find them in cache,
+// so a verify pass or a draft block reads its sequence's keys from memory once, not once a row
+// (a 3-row SmolLM2 verify at 2,048 keys re-read ~3 MB of K / V a layer, more than L2 holds).
+// Each (row, head)'s arithmetic is the same, in the same order, whatever the rows, heads and
+// threads beside it: a row's bits never depend on them. Measured (bench/README.md, 2026-12-06;
+// SmolLM2's 9 q / 3 KV heads, 30 layers, fp32, 1 thread): 256 keys, warm, 1 / 3 / 7 rows 0.63 /
+// 1.69 / 3.74 -> 0.58 / 1.40 / 3.06 ms; 2,048 keys from memory 15.2-17.0 / 26-28 / 44-48 ->
+// 11.4-12.0 / 19.2-19.7 / 35.0-35.7 ms; bf16 256 keys 1.04 / 2.30 / 5.19 -> 0.61 / 1.54 / 3.41.
+constexpr int64_t kRowsPerItem = 4;  // rows of a sequence per work item (more: fewer items)
+
 template <typename T>
 void run(const T* q, const T* cache, int64_t P, const int64_t* table, int64_t npages,
          const int64_t* row_b, const bool* mask, T* out, int64_t R, int64_t Hq, int64_t Hkv,
@@ -163,73 +210,103 @@ void run(const T* q, const T* cache, int64_t P, const int64_t* table, int64_t np
   const int64_t group = Hq / Hkv, most = keys + nk.S;
   // cache [P, 2, Hkv, ps, D]
   const int64_t s_head = ps * D, s_kv = Hkv * s_head, s_page = 2 * s_kv;
-  const int64_t per = std::max<int64_t>(1, R * Hkv / 8);
-  eb_pool::parallel_for(R * Hkv, per, [&](int64_t i0, int64_t i1) {
+  std::vector<int64_t> seg_start;  // runs of rows of one sequence, at most kRowsPerItem each
+  for (int64_t r = 0; r < R; ++r)
+    if (r == 0 || row_b[r] != row_b[r - 1] || r - seg_start.back() >= kRowsPerItem)
+      seg_start.push_back(r);
+  const int64_t segs = static_cast<int64_t>(seg_start.size());
+  seg_start.push_back(R);
+  const int64_t items = segs * Hkv;
+  const int64_t per = std::max<int64_t>(1, items / 8);
+  eb_pool::parallel_for(items, per, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(group * D), kf(D), acc(group * D), scores(group * most), top(group);
-    std::vector<const T*> vrow(most);
+    std::vector<const T*> krow(kRowsPerItem * most), vrow(kRowsPerItem * most);
+    int64_t n[kRowsPerItem];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / Hkv, kvh = i % Hkv, b = row_b[r];
-      for (int64_t g = 0; g < group; ++g)
-        load_row(q + (r * Hq + kvh * group + g) * D, qf.data() + g * D, D);
-      const bool* m = mask + r * keys;
+      const int64_t seg = i / Hkv, kvh = i % Hkv, r0 = seg_start[seg];
+      const int64_t rows = seg_start[seg + 1] - r0, b = row_b[r0];
       const int64_t* pages = table + b * npages;
-      int64_t n = 0;
-      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
-      auto score = [&](const T* kp, const T* vp) {
-        const float* k = row_f32(kp, kf.data(), D);
-        for (int64_t g = 0; g < group; ++g) {
-          const float s = dot(qf.data() + g * D, k, D) * scale;
-          scores[g * most + n] = s;
-          top[g] = s > top[g] ? s : top[g];
-        }
-        vrow[n++] = vp;
+      // phase 1: each row's keys in order (the pool's, then the step's new rows), as pointers
+      for (int64_t rr = 0; rr < rows; ++rr) n[rr] = 0;
+      auto add = [&](int64_t rr, const T* kp, const T* vp) {
+        krow[rr * most + n[rr]] = kp;
+        vrow[rr * most + n[rr]++] = vp;
       };
-      for (int64_t t = 0; t < keys; ++t) {
-        if (!m[t]) continue;
-        const int64_t page = t / ps;
-        TORCH_CHECK(page < npages, "decode_attention: key ", t, " past the page table");
-        const int64_t pg = pages[page];
-        TORCH_CHECK(pg >= 0 && pg < P, "decode_attention: page ", pg, " of key ", t,
-                    " is outside the pool of ", P, " pages");
-        const T* kp = cache + pg * s_page + kvh * s_head + (t % ps) * D;
-        score(kp, kp + s_kv);  // V: the K slot + one K/V half
+      for (int64_t page = 0, t0 = 0; t0 < keys; ++page, t0 += ps) {  // by page: no divisions
+        const int64_t t1 = std::min(keys, t0 + ps);
+        const T* kpage = nullptr;
+        for (int64_t t = t0; t < t1; ++t) {
+          bool seen = false;
+          for (int64_t rr = 0; rr < rows; ++rr) seen = seen || mask[(r0 + rr) * keys + t];
+          if (!seen) continue;
+          if (kpage == nullptr) {
+            TORCH_CHECK(page < npages, "decode_attention: key ", t, " past the page table");
+            const int64_t pg = pages[page];
+            TORCH_CHECK(pg >= 0 && pg < P, "decode_attention: page ", pg, " of key ", t,
+                        " is outside the pool of ", P, " pages");
+            kpage = cache + pg * s_page + kvh * s_head;
+          }
+          const T* kp = kpage + (t - t0) * D;
+          for (int64_t rr = 0; rr < rows; ++rr)
+            if (mask[(r0 + rr) * keys + t]) add(rr, kp, kp + s_kv);  // V: K slot + one half
+        }
       }
       for (int64_t j = 0; j < nk.S; ++j) {
-        if (!nk.mask[r * nk.S + j]) continue;
         const int64_t row = b * nk.S + j;
-        score(nk.k + (row * Hkv + kvh) * D, nk.heads + (row * nk.W + nk.Hq + Hkv + kvh) * D);
+        const T* kp = nk.k + (row * Hkv + kvh) * D;
+        const T* vp = nk.heads + (row * nk.W + nk.Hq + Hkv + kvh) * D;
+        for (int64_t rr = 0; rr < rows; ++rr)
+          if (nk.mask[(r0 + rr) * nk.S + j]) add(rr, kp, vp);
       }
-      if (n == 0) {  // a row that sees nothing (padding): zero, as the torch path gives it
-        for (int64_t g = 0; g < group; ++g) {
-          T* o = out + (r * Hq + kvh * group + g) * D;
-          for (int64_t j = 0; j < D; ++j) o[j] = static_cast<T>(0.f);
+      // phase 2: each (row, head) alone over its keys: scores, softmax, weighted sum of V
+      for (int64_t rr = 0; rr < rows; ++rr) {
+        const int64_t r = r0 + rr, cnt = n[rr];
+        const T* const* kr = krow.data() + rr * most;
+        const T* const* vr = vrow.data() + rr * most;
+        if (cnt == 0) {  // a row that sees nothing (padding): zero, as the torch path gives it
+          for (int64_t g = 0; g < group; ++g) {
+            T* o = out + (r * Hq + kvh * group + g) * D;
+            for (int64_t j = 0; j < D; ++j) o[j] = static_cast<T>(0.f);
+          }
+          continue;
         }
-        continue;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        top[g] = 1.f / exp_sum(scores.data() + g * most, n, top[g]);  // now the normalizer
-      }
+        for (int64_t g = 0; g < group; ++g) {
+          load_row(q + (r * Hq + kvh * group + g) * D, qf.data() + g * D, D);
+          float* sc = scores.data() + g * most;
+          float tp = -std::numeric_limits<float>::infinity();
 #ifdef EB_ATTN_AVX2
-      if constexpr (std::is_same_v<T, float>) {
-        for (int64_t g = 0; g < group; ++g)
-          weighted_sum_head(vrow.data(), n, scores.data() + g * most, acc.data() + g * D, D);
-      } else
+          if (D == 64) {
+            tp = scores64(qf.data() + g * D, kr, vr, cnt, scale, sc, tp, rr == 0 && g == 0);
+          } else
 #endif
-      {
+          {
+            for (int64_t j = 0; j < cnt; ++j) {
+              const float x = dot(qf.data() + g * D, row_f32(kr[j], kf.data(), D), D) * scale;
+              sc[j] = x;
+              tp = x > tp ? x : tp;
+            }
+          }
+          top[g] = 1.f / exp_sum(sc, cnt, tp);  // now the normalizer
+        }
+#ifdef EB_ATTN_AVX2
+        for (int64_t g = 0; g < group; ++g)
+          weighted_sum_head(vr, cnt, scores.data() + g * most, acc.data() + g * D, D);
+#else
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = row_f32(vrow[j], kf.data(), D);
+        for (int64_t j = 0; j < cnt; ++j) {
+          const float* v = row_f32(vr[j], kf.data(), D);
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * most + j];
             float* a = acc.data() + g * D;
             for (int64_t e = 0; e < D; ++e) a[e] += p * v[e];
           }
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = out + (r * Hq + kvh * group + g) * D;
-        const float* a = acc.data() + g * D;
-        for (int64_t e = 0; e < D; ++e) o[e] = static_cast<T>(a[e] * top[g]);
+#endif
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = out + (r * Hq + kvh * group + g) * D;
+          const float* a = acc.data() + g * D;
+          for (int64_t e = 0; e < D; ++e) o[e] = static_cast<T>(a[e] * top[g]);
+        }
       }
     }
   });
