@@ -410,3 +410,49 @@ def test_a_request_asking_for_logprobs_is_pinned_too(tiny, tmp_path):  # noqa: F
     assert sum(both[0].metrics.proposed_at) > 0 and sum(both[1].metrics.proposed_at) == 0
     got = [(e.token_id, e.logprob) for e in both[0].logprobs]
     assert got == [(e.token_id, e.logprob) for e in alone[0].logprobs]
+
+
+def test_drafting_stopped_by_its_measured_correction_is_probed_again():
+    """Drafting steps measured above their profile (a burst of load, a host hiccup) lift
+    spec_scale past break-even and drafting stops; draft-less steps cannot lower it. After
+    PROBE_AFTER of them a lone request probes: the correction is forgotten, the probe's own
+    step (the draft context's catch-up) is not measured, and drafting resumes while the steps
+    measure at their profile. A scheduler whose profiled costs say drafting loses, or a batch
+    of two, never probes."""
+    n = 2
+    costs = rows_only_costs(0.02, 0.05, 0.02)  # a 2-draft step pays by ~30% on its profile
+    sch = ConfidenceScheduler(costs, n)
+    sch.mean_profile = [0.8, 0.64]
+    assert max(sch.plan(["r"], [n]).lengths) > 0
+    costs.spec_scale = 1.4  # what a few slowed drafting steps leave
+    decode = costs.verify_s([1])
+    tried = []
+    for i in range(3 * spec_schedule.PROBE_AFTER):
+        plan = sch.plan(["r"], [n])
+        k = max(plan.lengths)
+        tried.append(k)
+        if k == 0:
+            costs.observe([1], 0, decode)  # a draft-less step at its profile
+        else:  # a drafting step at its profile; the first (the probe) 10x: the catch-up
+            at = costs.step_s([1 + k], k) / costs.spec_scale
+            costs.observe([1 + k], k, at * (10 if i == spec_schedule.PROBE_AFTER else 1))
+    first = next(i for i, k in enumerate(tried) if k > 0)
+    assert first == spec_schedule.PROBE_AFTER  # draft-less steps until the probe
+    assert sch.stats.probes == 1
+    assert costs.spec_scale == pytest.approx(1.0)  # forgotten; the probe's step not counted
+    assert all(k > 0 for k in tried[first:])  # drafting resumed for good
+    # drafting that loses on the profile itself (every verify row as dear as a decode)
+    dear = ConfidenceScheduler(rows_only_costs(0.05, 0.0, 0.01), n)
+    dear.mean_profile = [0.8, 0.64]
+    dear.costs.spec_scale = 2.0
+    for _ in range(3 * spec_schedule.PROBE_AFTER):
+        assert dear.plan(["r"], [n]).lengths == [0]
+        dear.costs.observe([1], 0, dear.costs.verify_s([1]))
+    assert dear.stats.probes == 0 and dear.costs.spec_scale > 1.9
+    two = ConfidenceScheduler(rows_only_costs(0.02, 0.05, 0.02), n)
+    two.mean_profile = [0.8, 0.64]
+    two.costs.spec_scale = 3.0
+    for _ in range(3 * spec_schedule.PROBE_AFTER):
+        two.plan(["a", "b"], [n, n])
+        two.costs.observe([1, 1], 0, two.costs.verify_s([1, 1]))
+    assert two.stats.probes == 0

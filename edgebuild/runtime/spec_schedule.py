@@ -60,6 +60,7 @@ STALE_DRAFTING = 20  # draft-less steps in a row after which the load is carried
 INITIAL_PROFILE = 0.6  # prior per-position acceptance before any step was observed
 PROFILE_EMA = 0.1  # weight of one request's step in the running mean profile
 STALE_DRIFT = 0.2  # per skipped step, a request's profile moves this far to the mean
+PROBE_AFTER = 64  # draft-less steps in a row after which a lone request drafts again (_probe)
 DRAFT_MARGIN = 0.3  # with B requests a draft pass must promise 30% * (1 - 1/B) more tokens/s
 # than a plain decode step. Drafting desynchronises the requests of a batch (they finish, and
 # their clients' next requests arrive, at different steps, so more steps run part-empty), a
@@ -96,6 +97,7 @@ class StepCosts:
     decode_scale: float = 1.0  # online correction of a draft-less step: measured / profiled
     spec_scale: float = 1.0  # ... of a drafting step (draft + verify + the decoder's own work)
     draftless_run: int = 0  # draft-less steps observed since the last drafting step
+    next_spec_weight: float | None = None  # the next drafting step's EMA weight (a probe's)
     # _grid's values by (table, batch, width): the tables are not changed after construction
     # (only the scales do), and a step asks for the same few points (~30 interpolations a
     # step, ~2% of an int4 SmolLM2 token)
@@ -192,7 +194,10 @@ class StepCosts:
         if profiled <= 0 or measured <= 0:
             return
         ratio = measured / profiled
-        new = (1 - COST_EMA) * old + COST_EMA * ratio
+        weight = COST_EMA
+        if attr == "spec_scale" and self.next_spec_weight is not None:
+            weight, self.next_spec_weight = self.next_spec_weight, None  # a probe's step
+        new = (1 - weight) * old + weight * ratio
         setattr(self, attr, new)
         if attr == "spec_scale":
             self.draftless_run = 0
@@ -322,6 +327,7 @@ class SchedulerStats:
 
     steps: int = 0  # steps scheduled
     skipped_drafts: int = 0  # steps that ran no draft pass
+    probes: int = 0  # drafting steps tried after a run of draft-less ones (_probe)
     chosen: list[int] = field(default_factory=list)  # [k] = request-steps verifying k drafts
     predicted_accepted: float = 0.0  # sum over request-steps of the chosen P (calibrated)
     realised_accepted: int = 0  # drafts those request-steps accepted
@@ -434,6 +440,10 @@ class ConfidenceScheduler:
         choice = self.choose(profiles, budgets)
         self.stats.steps += 1
         if max(choice.lengths, default=0) == 0:
+            probe = self._probe(profiles, budgets)
+            if probe is not None:
+                self.stats.probes += 1
+                return probe
             self.stats.skipped_drafts += 1
             # A skipped request learns nothing new: let its profile drift back to the mean,
             # so that a request judged on one bad step is tried again when the load allows.
@@ -442,6 +452,40 @@ class ConfidenceScheduler:
                 if prof is not None:
                     mean = self.mean_profile
                     self.profiles[r] = [p + STALE_DRIFT * (mean[k] - p) for k, p in enumerate(prof)]
+        return choice
+
+    def _probe(self, profiles: list[list[float]], budgets: list[int]) -> Choice | None:
+        """Drafting tried again by a lone request after :data:`PROBE_AFTER` draft-less steps in
+        a row, where only the drafting steps' online correction stands in the way (the choice
+        with ``spec_scale`` at ``decode_scale``, the profiled relative cost under the current
+        load, drafts; the one with the measured correction does not): the correction is
+        forgotten (set to ``decode_scale``) and the drafting steps that follow measure it anew.
+
+        Why: once that correction was above break-even (a burst of load, or a few steps the host
+        slowed, lifted it), no drafting step ran to measure it again; draft-less steps carry
+        the load to it but cannot lower it, and drafting stopped for good (bf16 DSpark at x1.008
+        with tau 1.04 in a bench run where two other runs gave x1.14-x1.23). The probe's own
+        step is not measured: it catches the draft's context up on every row since the last
+        draft pass (64+ rows, several decodes' worth at once). Where drafting really does not
+        pay, the steps after a probe lift the correction back within ~10 steps (COST_EMA), a
+        bounded cost every PROBE_AFTER steps. Batches of several requests never probe: a
+        loaded server's drafting steps can cost far more than its draft-less ones.
+        None: no probe this step."""
+        costs = self.costs
+        if (
+            len(profiles) != 1
+            or costs.draftless_run < PROBE_AFTER
+            or costs.spec_scale <= costs.decode_scale
+        ):
+            return None
+        measured = costs.spec_scale
+        costs.spec_scale = costs.decode_scale
+        choice = self.choose(profiles, budgets)
+        if max(choice.lengths, default=0) == 0:
+            costs.spec_scale = measured  # the profile itself says skip: nothing to forget
+            return None
+        costs.draftless_run = 0
+        costs.next_spec_weight = 0.0  # the probe's step (the context's catch-up) is not evidence
         return choice
 
     # ------------------------------------------------------------------ learning
