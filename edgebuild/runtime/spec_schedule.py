@@ -20,7 +20,9 @@ bound. The scheduler instead decides, every step, how many drafts of each reques
    runs on *predicted* confidences (each request's last profile, else the running mean): when
    verifying nothing wins, the step skips the draft and runs a plain decode pass (the draft
    context catches up later), so under heavy load DSpark costs what target-only costs.
-   With several requests the draft pass must promise a margin (:func:`draft_margin`).
+   With several requests the draft pass must promise a margin (:func:`draft_margin`). A lone
+   request whose drafting stopped on the measured correction alone drafts again after
+   :data:`PROBE_AFTER` draft-less steps (:meth:`ConfidenceScheduler._probe`).
 
 Lossless: the lengths depend only on the draft's own outputs, the cost model and past steps,
 never on this step's target output, so acceptance stays the exact rule of
