@@ -339,7 +339,7 @@ def test_a_page_id_outside_the_pool_is_an_error_not_a_read():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("d", [64, 48])
+@pytest.mark.parametrize("d", [64, 48, 128])
 def test_rows_of_a_sequence_read_their_keys_together_with_each_rows_own_bits(dtype, d):
     """decode_attention groups up to four rows of a sequence per KV head (each key read once
     for them): every row equals the row computed alone, bit for bit (a verify row is a decode

@@ -180,10 +180,16 @@ def test_a_lattice_over_the_memory_bound_is_walked_token_by_token_with_the_same_
         monkeypatch.setattr(
             draft.model, "lattice", lambda *a, c=calls, f=lattice: c.append(1) or f(*a)
         )
+        path, ran = draft.model.greedy_path, []
         if not one_call:  # the lattice / token-by-token walks the greedy path replaces
             monkeypatch.setattr(draft.model, "greedy_path", lambda *a: None)
+        else:  # the one-call path, seen to run (not a fallback)
+            monkeypatch.setattr(
+                draft.model, "greedy_path", lambda *a, f=path, r=ran: r.append(f(*a)) or r[-1]
+            )
         got = speculative(model, draft, prompts, params, 7)
         assert [s.output_ids for s in got] == ref  # lossless either way
+        assert not one_call or (ran and all(r is not None for r in ran))
         runs[bound, one_call] = ([s.metrics.acceptance_by_position for s in got], bool(calls))
     (acc_lattice, used), (acc_token, used_small), (acc_path, used_path) = runs.values()
     assert used and not used_small and not used_path

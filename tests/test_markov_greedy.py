@@ -107,15 +107,37 @@ def test_the_one_call_walk_is_the_exact_argmax_path(head, conf_kind, mapped, dty
 
 
 def test_the_one_call_walk_takes_the_first_of_tied_and_nan_scores():
-    base = torch.zeros(1, 2, 10)
+    base = torch.zeros(1, 3, 10)
     base[0, 0, 3] = base[0, 0, 7] = 1.0  # candidates 3 then 7 (ties: the lower column first)
     base[0, 1, 4] = float("nan")  # NaN ranks above every number, and is chosen
+    base[0, 2] = torch.arange(10, 0, -1).float()  # candidates 0, 1, 2 in that order
     w1, w2 = torch.ones(10, 4), torch.ones(10, 4)  # the same bias on every candidate
+    w2[2, 1] = float("nan")  # slot 2's third candidate scores NaN: chosen over larger numbers
+    w2[1, 0] = float("nan")  # ... and its second too: the first NaN wins
     cand, choice, _ = f32_linear.markov_greedy(
-        base, torch.tensor([0]), torch.tensor([2]), 3, None, w1, w2
+        base, torch.tensor([0]), torch.tensor([3]), 3, None, w1, w2
     )
     assert cand[0, 0].tolist()[:2] == [3, 7] and int(choice[0, 0]) == 0
     assert int(cand[0, 1, 0]) == 4 and int(choice[0, 1]) == 0
+    assert cand[0, 2].tolist() == [0, 1, 2] and int(choice[0, 2]) == 1
+    scores = base[0, 2, :3].double() + w2[:3].double() @ w1[0].double()
+    assert int(scores.argmax()) == 1  # torch's rule: the first NaN
+
+
+def test_the_one_call_walk_reads_h_by_its_own_rows():
+    """h may hold more rows than the slots walked (the block's rows): slot s of request b
+    reads h[b, s], not the flat index of base's row."""
+    g = torch.Generator().manual_seed(8)
+    base, anchors, counts, k, tmap, w1, w2, gate, h, conf = _case(
+        g, "gated", "markov", False, torch.float32, False
+    )
+    wide = torch.cat([h, torch.randn(h.shape[0], 3, h.shape[2], generator=g)], 1)  # [B, n+3, d]
+    got = f32_linear.markov_greedy(
+        base, anchors, torch.tensor(counts), k, tmap, w1, w2, gate, wide, conf
+    )
+    want = reference_walk(base, anchors, counts, k, tmap, w1, w2, gate, h, conf)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2].double(), want[2], atol=1e-7, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -175,7 +197,12 @@ def test_greedy_requests_walk_the_path_as_the_lattice_walks_it(
         anchors, counts = [5, 17, 200], [4, 1, 3]
         greedy = [SamplingParams(temperature=0.0)] * batch
         gens = [torch.Generator() for _ in range(batch)]
+        ran = []
+        path = model.greedy_path
+        monkeypatch.setattr(model, "greedy_path", lambda *a: ran.append(path(*a)) or ran[-1])
         got = draft.walk(h, base, anchors, counts, greedy, gens)
+        assert len(ran) == (0 if head == "rnn" else 1) and all(r is not None for r in ran)
+        monkeypatch.undo()
         if head == "rnn":
             assert model.greedy_path(h, base, torch.tensor(anchors), counts, 8) is None
             return

@@ -456,3 +456,15 @@ def test_drafting_stopped_by_its_measured_correction_is_probed_again():
         two.plan(["a", "b"], [n, n])
         two.costs.observe([1, 1], 0, two.costs.verify_s([1, 1]))
     assert two.stats.probes == 0
+    # one request beside a pinned one (plan sees one id, the step runs two): no probe either
+    beside = ConfidenceScheduler(rows_only_costs(0.02, 0.05, 0.02), n)
+    beside.mean_profile = [0.8, 0.64]
+    beside.costs.spec_scale = 1.4
+    for _ in range(3 * spec_schedule.PROBE_AFTER):
+        assert beside.plan(["r"], [n], batch=2).lengths == [0]
+        beside.costs.observe([1, 1], 0, beside.costs.verify_s([1, 1]))
+    assert beside.stats.probes == 0
+    # a probe's zero weight is dropped by the next plan when its step never got measured
+    sch.costs.next_spec_weight = 0.0
+    sch.plan(["r"], [n])
+    assert sch.costs.next_spec_weight is None

@@ -654,7 +654,7 @@ class DSparkDraft(nn.Module):
             request b drafts ``cand[b, s, choice[b, s]]``; the confidence is the lattice's at
             the path's previous token (ones without a confidence head). The choices equal the
             lattice walk's except where two scores tie within the lattice's fp32 rounding
-            (here they are exact in double).
+            (here they are computed in double).
         """
         args = self.walk_args if self.walk_args is not None else self._walk_args()
         if args is None or torch.compiler.is_exporting() or torch.compiler.is_compiling():

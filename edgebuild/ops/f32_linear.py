@@ -401,7 +401,7 @@ def markov_greedy(
     ``sigmoid(gate_w [h_s; e] + gate_b) * e`` (gated), no bias without ``w1``; the choice is
     the first j of the largest score (NaN above every number), and the confidence
     ``sigmoid(h_s . cw[:d] (+ e . cw[d:]) + cb)``. Products and sums run in double: a choice is
-    the exact argmax of its scores (the fp32 lattice of
+    the argmax of its scores at double precision (the fp32 lattice of
     :meth:`edgebuild.models.dspark.DSparkDraft.lattice` may choose otherwise at scores tied
     within its rounding).
 

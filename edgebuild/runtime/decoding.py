@@ -534,7 +534,9 @@ class DSparkDecoder(TargetOnlyDecoder):
         ]
         if free:
             plan = sch.plan(
-                [live[i].request_id for i in free], [0 if prefilling else budgets[i] for i in free]
+                [live[i].request_id for i in free],
+                [0 if prefilling else budgets[i] for i in free],
+                batch=len(live),
             )
             for i, k in zip(free, plan.lengths, strict=True):
                 want[i] = k

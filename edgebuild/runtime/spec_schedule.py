@@ -433,16 +433,20 @@ class ConfidenceScheduler:
             seconds *= 1.0 + draft_margin(len(lengths))  # draft only for a clear win
         return Choice(list(lengths), gain, max(seconds, 1e-9))
 
-    def plan(self, request_ids: list[str], budgets: list[int]) -> Choice:
+    def plan(self, request_ids: list[str], budgets: list[int], batch: int | None = None) -> Choice:
         """Before the draft pass: the lengths predicted from each request's last profile.
 
-        ``max(lengths) == 0`` means: skip the draft pass this step.
+        ``max(lengths) == 0`` means: skip the draft pass this step. ``batch``: the requests the
+        step runs, pinned ones included (default: ``len(request_ids)``); only a lone request
+        probes (:meth:`_probe`).
         """
+        self.costs.next_spec_weight = None  # a probe's weight is for its own step only
         profiles = [self.predicted_profile(r) for r in request_ids]
         choice = self.choose(profiles, budgets)
         self.stats.steps += 1
         if max(choice.lengths, default=0) == 0:
-            probe = self._probe(profiles, budgets)
+            alone = (len(request_ids) if batch is None else batch) == 1
+            probe = self._probe(profiles, budgets) if alone else None
             if probe is not None:
                 self.stats.probes += 1
                 return probe
@@ -479,7 +483,7 @@ class ConfidenceScheduler:
             or costs.draftless_run < PROBE_AFTER
             or costs.spec_scale <= costs.decode_scale
         ):
-            return None
+            return None  # (plan() calls it only for a step that runs one request)
         measured = costs.spec_scale
         costs.spec_scale = costs.decode_scale
         choice = self.choose(profiles, budgets)

@@ -11,10 +11,11 @@
 // rows beside it (a 1-row decode equals row i of a verify pass, which keeps greedy DSpark
 // equal to target-only).
 //
-// The query heads that share a KV head run together (each K / V row read once for the group),
-// the dot products, exp and the weighted sum of V in AVX2 registers where the build has it
-// (-march=native). SmolLM2's shapes (9 q / 3 KV heads, D 64), one thread: 8 rows over 256 keys
-// 570 -> 180 us, 1 row over 128 keys 42 -> 17 us (the scalar per-head loop before).
+// Up to 4 rows of a sequence and the query heads that share a KV head run as one work item
+// (the K / V rows fetched from memory once for them, `run` below), the dot products, exp and
+// the weighted sum of V in AVX2 registers where the build has it (-march=native). SmolLM2's
+// shapes (9 q / 3 KV heads, D 64), one thread: 8 rows over 256 keys 570 -> 180 us, 1 row over
+// 128 keys 42 -> 17 us (against the scalar per-head loop before).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -140,26 +141,37 @@ inline void weighted_sum_head(const T* const* vrows, int64_t n, const float* p, 
   if (D - e == 16) weighted_sum<2>(vrows, e, n, p, out);
 }
 
-// s[j] = dot(q, K_j) * scale for a head of 64 (q's 8 vectors held in registers; dot's
-// arithmetic: two accumulators over d in steps of 16, added, then hsum8); returns the running
-// max (NaN scores never raise it). `prefetch`: the K and V rows 4 keys ahead are fetched (the
-// first pass over the keys; the other heads and rows find them in cache).
+// s[j] = dot(q, K_j) * scale over a head's keys (dot's arithmetic: two accumulators over d
+// in steps of 16, added, then hsum8; a bf16 K row widened in registers), q's 8 vectors held
+// in registers for a head of 64; returns the running max (NaN scores never raise it).
+// `prefetch`: the K and V rows 4 keys ahead are fetched (the first pass over the keys; the
+// other heads and rows find them in cache).
 template <typename T>
-inline float scores64(const float* q, const T* const* krows, const T* const* vrows, int64_t n,
-                      float scale, float* s, float top, bool prefetch) {
+inline float scores_of(const float* q, const T* const* krows, const T* const* vrows, int64_t n,
+                       int64_t D, float scale, float* s, float top, bool prefetch) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
   __m256 qv[8];
-  for (int u = 0; u < 8; ++u) qv[u] = _mm256_loadu_ps(q + 8 * u);
+  const bool d64 = D == 64;
+  if (d64)
+    for (int u = 0; u < 8; ++u) qv[u] = _mm256_loadu_ps(q + 8 * u);
   for (int64_t j = 0; j < n; ++j) {
     if (prefetch && j + 4 < n)
-      for (int64_t off = 0; off < 64 * static_cast<int64_t>(sizeof(T)); off += 64) {
+      for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(krows[j + 4]) + off, 0, 3);
         __builtin_prefetch(reinterpret_cast<const char*>(vrows[j + 4]) + off, 0, 2);
       }
     const T* k = krows[j];
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int u = 0; u < 8; u += 2) {
-      a0 = _mm256_fmadd_ps(qv[u], load8(k + 8 * u), a0);
-      a1 = _mm256_fmadd_ps(qv[u + 1], load8(k + 8 * u + 8), a1);
+    if (d64) {
+      for (int u = 0; u < 8; u += 2) {
+        a0 = _mm256_fmadd_ps(qv[u], load8(k + 8 * u), a0);
+        a1 = _mm256_fmadd_ps(qv[u + 1], load8(k + 8 * u + 8), a1);
+      }
+    } else {
+      for (int64_t e = 0; e < D; e += kLanes) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8(k + e), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), load8(k + e + 8), a1);
+      }
     }
     const float x = hsum8(_mm256_add_ps(a0, a1)) * scale;
     s[j] = x;
@@ -169,7 +181,7 @@ inline float scores64(const float* q, const T* const* krows, const T* const* vro
 }
 #endif
 
-// K / V row t as fp32: fp32 rows are read in place, bf16 rows are widened into `buf` once.
+// K / V row t as fp32 (the build without AVX2): fp32 rows in place, bf16 widened into `buf`.
 inline const float* row_f32(const float* src, float*, int64_t) { return src; }
 inline const float* row_f32(const c10::BFloat16* src, float* buf, int64_t d) {
   load_row(src, buf, d);
@@ -190,7 +202,7 @@ struct NewKeys {
 // A work item is (up to kRowsPerItem rows of one sequence, KV head kvh). First each row's
 // visible keys are listed in order as K / V row pointers (the pool's keys by page, then the
 // step's new rows: no division a key); then each (row, head) alone runs over its list: the
-// scores dot(q, K_j) * scale (q held in registers for a head of 64, scores64), softmax from the
+// scores dot(q, K_j) * scale (q held in registers for a head of 64, scores_of), softmax from the
 // running max, the weighted sum of V in key order. The first (row, head) of an item prefetches
 // the K / V rows 4 keys ahead (a page's rows sit 4-16 KiB from the next page's, where the
 // hardware prefetcher starts over); the other heads and rows of the item find them in cache,
@@ -275,10 +287,8 @@ void run(const T* q, const T* cache, int64_t P, const int64_t* table, int64_t np
           float* sc = scores.data() + g * most;
           float tp = -std::numeric_limits<float>::infinity();
 #ifdef EB_ATTN_AVX2
-          if (D == 64) {
-            tp = scores64(qf.data() + g * D, kr, vr, cnt, scale, sc, tp, rr == 0 && g == 0);
-          } else
-#endif
+          tp = scores_of(qf.data() + g * D, kr, vr, cnt, D, scale, sc, tp, rr == 0 && g == 0);
+#else
           {
             for (int64_t j = 0; j < cnt; ++j) {
               const float x = dot(qf.data() + g * D, row_f32(kr[j], kf.data(), D), D) * scale;
@@ -286,6 +296,7 @@ void run(const T* q, const T* cache, int64_t P, const int64_t* table, int64_t np
               tp = x > tp ? x : tp;
             }
           }
+#endif
           top[g] = 1.f / exp_sum(sc, cnt, tp);  // now the normalizer
         }
 #ifdef EB_ATTN_AVX2

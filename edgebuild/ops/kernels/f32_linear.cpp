@@ -764,9 +764,10 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x_in, int64_t k) 
 //   confidence = sigmoid(h_k . cw[:d] (+ e . cw[d:] with the Markov input) + cb).
 // It walks only the path taken: O(k r) a slot where the lattice (DSparkDraft.lattice) scores
 // every (previous candidate, candidate) pair, O(k^2 r), in ~25 torch ops a proposal. Products
-// and sums are in double (fp32 / bf16 inputs are exact in double), so a choice is the exact
-// argmax of the scores; the lattice's fp32 matmul may choose otherwise only where two scores
-// tie to within its rounding (verification keeps the output the target's either way).
+// and sums are in double (fp32 / bf16 inputs and their products are exact in double; the sums
+// and the gate's sigmoid round at double precision), so a choice is the argmax of the scores in
+// double; the lattice's fp32 matmul may choose otherwise only where two scores tie to within its
+// rounding (verification keeps the output the target's either way).
 struct Mat {  // a row-major [rows, cols] fp32 or bf16 matrix read as double
   const void* p = nullptr;
   int64_t rows = 0, cols = 0;
