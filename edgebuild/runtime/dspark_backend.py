@@ -245,8 +245,9 @@ class TorchDraft:
     ) -> list[Proposal]:
         """The Markov walk (module docstring). A greedy batch without grammars walks only the
         path it takes, in one C++ call (:meth:`DSparkDraft.greedy_path`: 0.23 ms a proposal
-        against 0.75 ms for the lattice and its walk, in a 2-thread int4 decode; the same drafts except at scores tied
-        within the lattice's fp32 rounding). Otherwise over the top-k lattice, the one walk the
+        against 0.75 ms for the lattice and its walk, in a 2-thread int4 decode; the same
+        drafts except at scores tied within the lattice's fp32 rounding; it returns None for
+        an rnn head, which is not asked). Otherwise over the top-k lattice, the one walk the
         TensorRT draft runs too (:func:`walk_lattice`); token by token for an rnn head or the
         full vocabulary (``draft_top_k`` 0), where no lattice exists, and for a lattice over
         :data:`LATTICE_MAX_BYTES`."""
