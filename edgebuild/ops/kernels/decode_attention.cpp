@@ -54,23 +54,15 @@ inline void load_row(const T* src, float* dst, int64_t d) {
   for (int64_t j = 0; j < d; ++j) dst[j] = to_f32(src[j]);
 }
 
-// q . k over d (a multiple of kLanes), lanes summed in a fixed order.
+// q . k over d (a multiple of kLanes), lanes summed in a fixed order: the build without
+// AVX2 (with it, scores_of below).
 inline float dot(const float* q, const float* k, int64_t d) {
-#ifdef EB_ATTN_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (int64_t j = 0; j < d; j += kLanes) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8), a1);
-  }
-  return hsum8(_mm256_add_ps(a0, a1));
-#else
   float acc[kLanes] = {0};
   for (int64_t j = 0; j < d; j += kLanes)
     for (int l = 0; l < kLanes; ++l) acc[l] += q[j + l] * k[j + l];
   float s = 0.f;
   for (int l = 0; l < kLanes; ++l) s += acc[l];
   return s;
-#endif
 }
 
 // s_j <- exp(s_j - top) for j < n; returns the sum of the new s_j (in a fixed order).
@@ -141,8 +133,8 @@ inline void weighted_sum_head(const T* const* vrows, int64_t n, const float* p, 
   if (D - e == 16) weighted_sum<2>(vrows, e, n, p, out);
 }
 
-// s[j] = dot(q, K_j) * scale over a head's keys (dot's arithmetic: two accumulators over d
-// in steps of 16, added, then hsum8; a bf16 K row widened in registers), q's 8 vectors held
+// s[j] = q . K_j * scale over a head's keys (two accumulators over d in steps of 16, added,
+// then hsum8; a bf16 K row widened in registers), q's 8 vectors held
 // in registers for a head of 64; returns the running max (NaN scores never raise it).
 // `prefetch`: the K and V rows 4 keys ahead are fetched (the first pass over the keys; the
 // other heads and rows find them in cache).
