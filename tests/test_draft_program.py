@@ -436,3 +436,92 @@ def test_argmax_is_torchs_first_max_and_first_nan():
     assert torch.equal(f32_linear.argmax(x[:1]), x[:1].argmax(-1))
     assert torch.equal(f32_linear.argmax(x[4]), x[4].argmax(-1))  # one row [V]
     assert f32_linear.argmax(x[:, ::2]).tolist() == x[:, ::2].argmax(-1).tolist()  # strided
+
+
+@kernels
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_the_whole_proposal_in_one_call_equals_the_passes_bit_for_bit(pair, quant, monkeypatch):
+    """TorchDraft.propose_after_context runs the context update, the block pass, the final
+    norm, the draft's lm_head and (a greedy batch) the greedy walk as one
+    ``edgebuild_attn::draft_pass`` call (DSparkDraft.draft_pass). The oracle: update_context
+    then propose on a second copy of the draft (the Python path's op calls). Over steps of 3
+    sequences where some add no rows, an update longer than ONE_THREAD_ROWS, each cut of the
+    block (1 draft .. block_size), greedy batches (the walk in the call) and batches with a
+    sampled request (the walk in Python, on the call's h and base), at 1 and 2 threads: the
+    same draft caches after every step and the same proposals (tokens, q, ids, confidence),
+    bit for bit; the one call ran on every step. Without its bound arguments (``pass_args``
+    None) the passes run."""
+    from edgebuild.runtime.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(4)
+    greedy, sampled = [SamplingParams()] * 3, [SamplingParams(), SamplingParams(temperature=0.8),
+                                               SamplingParams()]  # fmt: skip
+    for threads in (1, 2):
+        with torch_threads(threads):
+            one, two = loaded_draft(pair, quant), loaded_draft(pair, quant)
+            assert one.model.pass_args is not None and one.model.pass_args["walk"] is not None
+            bs = one.model.config.block_size
+            walks, hs = [], {id(one): [], id(two): []}
+            monkeypatch.setattr(
+                one.model,
+                "draft_pass",
+                lambda *a, f=one.model.draft_pass, w=walks, **k: w.append(a[8]) or f(*a, **k),
+            )
+            for d in (one, two):
+                monkeypatch.setattr(
+                    d, "walk", lambda h, *a, w=d.walk, k=hs[id(d)], **kw: k.append(h) or w(h, *a, **kw)
+                )  # fmt: skip
+            s1 = [one.new_sequence() for _ in range(3)]
+            s2 = [two.new_sequence() for _ in range(3)]
+            width = one.model.fc.in_features
+            steps = [  # (sequences adding rows, their rows, drafts of each sequence, params)
+                ((0, 1, 2), (3, 9, 1), [bs, bs, bs], greedy),
+                ((1,), (2,), [1, 3, 2], sampled),
+                ((2, 0), (20, 1), [2, 0, 1], greedy),
+                ((), (), [bs - 1, 2, bs], sampled),
+                ((0, 1, 2), (1, 1, 1), [1, 1, 1], greedy),
+                ((), (), [2, 3, 1], greedy),
+            ]
+            for who, rows, counts, params in steps:
+                feats = [torch.randn(n, width, generator=g) * 20 for n in rows]
+                anchors = torch.randint(0, 50, (3,), generator=g).tolist()
+                got = one.propose_after_context(
+                    [s1[i] for i in who], feats, s1, anchors, counts, params,
+                    [torch.Generator().manual_seed(7) for _ in range(3)],
+                )  # fmt: skip
+                if who:
+                    two.update_context([s2[i] for i in who], feats)
+                want = two.propose(
+                    s2,
+                    anchors,
+                    counts,
+                    params,
+                    [torch.Generator().manual_seed(7) for _ in range(3)],
+                )
+                for a, b in zip(got, want, strict=True):
+                    assert a.tokens == b.tokens
+                    assert torch.equal(a.q, b.q) and torch.equal(a.confidence, b.confidence)
+                    assert (a.q_ids is None) == (b.q_ids is None)
+                    assert a.q_ids is None or torch.equal(a.q_ids, b.q_ids)
+                assert [s.length for s in s1] == [s.length for s in s2]
+                for p1, p2 in zip(one.pools, two.pools, strict=True):
+                    assert torch.equal(p1, p2)
+            # the greedy steps walked in the call, the sampled ones in Python on its h
+            assert walks == [None if p is sampled else (one.top_k, c) for _, _, c, p in steps]
+            assert len(hs[id(one)]) == 2 and len(hs[id(two)]) == len(steps)
+            for a, b in zip(hs[id(one)], [hs[id(two)][i] for i in (1, 3)], strict=True):
+                assert a.shape == b.shape and torch.equal(a, b)
+            assert any(len(p.tokens) for p in got) and one.pools[0].abs().sum() > 0
+            one.model.pass_args = None  # not bound: the passes
+            feats = [torch.randn(2, width, generator=g)]
+            got = one.propose_after_context(
+                [s1[0]], feats, s1, [1, 2, 3], [2, 2, 2], greedy,
+                [torch.Generator() for _ in range(3)],
+            )  # fmt: skip
+            two.update_context([s2[0]], feats)
+            want = two.propose(s2, [1, 2, 3], [2, 2, 2], greedy,
+                               [torch.Generator() for _ in range(3)])  # fmt: skip
+            assert len(walks) == len(steps)
+            assert [p.tokens for p in got] == [p.tokens for p in want]
+            for p1, p2 in zip(one.pools, two.pools, strict=True):
+                assert torch.equal(p1, p2)

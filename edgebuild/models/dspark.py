@@ -344,6 +344,8 @@ class DSparkDraft(nn.Module):
         self.context_program: dict | None = None
         # set by pack_for_cpu: the Markov / confidence heads' weights as greedy_path passes them
         self.walk_args: tuple | None = None
+        # set by pack_for_cpu where it can run: draft_pass' bound arguments (_pass_args)
+        self.pass_args: dict | None = None
         # the draft vocabulary (edgebuild.speculative.token_map): int64 [V'] token ids, sorted;
         # base_logits' column j is token token_map[j]. None: the whole vocabulary.
         self.token_map: torch.Tensor | None = None
@@ -392,7 +394,107 @@ class DSparkDraft(nn.Module):
         )
         self.context_program = self._context_program() if self.kv_norm_in_kernel else None
         self.walk_args = self._walk_args()
+        self.pass_args = self._pass_args()
         return self
+
+    def _pass_args(self) -> dict | None:
+        """``edgebuild_attn::draft_pass``' bound arguments (:meth:`draft_pass`: the context
+        update, the block pass, ``lm_head`` and the greedy walk in one C++ call), where the
+        update and the block already run as one C++ call each (:attr:`context_program`,
+        :attr:`block_program`), ``fc`` and ``lm_head`` on the kernels, with an fp32
+        embedding and full attention; else None. ``walk`` is None for an rnn head (no
+        one-call walk: :meth:`greedy_path`)."""
+        prog, block = self.context_program, self.block_program
+        fc = None if self.packed_fc is None else self.packed_fc.kernel_call()
+        head = None if self.packed_lm_head is None else self.packed_lm_head.kernel_call()
+        emb = self.embed_tokens.weight
+        if (
+            prog is None
+            or block is None
+            or block.flat is None
+            or fc is None
+            or head is None
+            or emb.dtype != torch.float32
+            or block.layers[0][-1][3] > 0  # a sliding window: the block's masks differ
+        ):
+            return None
+        lists = {k: [] for k in ("w", "sl", "bias", "n", "kind")}
+        add_linear_args(lists, fc[0].default, fc[1])
+        add_linear_args(lists, head[0].default, head[1])
+        hq, hkv, _, _, scale, _ = block.layers[0][-1]
+        walk = None  # markov_greedy's head arguments, as f32_linear.markov_greedy passes them
+        if self.walk_args is not None:
+            w1, w2, gate, conf = self.walk_args
+            walk = (
+                *(None if w is None else w.contiguous() for w in (w1, w2)),
+                *((None, None) if gate is None else (gate[0].float().contiguous(),
+                                                    gate[1].float().contiguous())),
+                *((None, 0.0) if conf is None else (conf[0].float().contiguous(),
+                                                   float(conf[1]))),
+            )  # fmt: skip
+        return {
+            "fc": [lists[k][0] for k in ("kind", "w", "sl", "bias", "n")],
+            "head": [lists[k][1] for k in ("kind", "w", "sl", "bias", "n")],
+            "walk": walk,
+            "ctx": [prog[k] for k in ("w", "sl", "bias", "n", "kind")]
+            + [self.hidden_norm.weight, float(self.hidden_norm.eps), prog["k_norm"]],
+            "block": [
+                block.flat[k]
+                for k in ("w", "sl", "bias", "n", "kind", "norm", "eps", "qk_norm", "qk_eps")
+            ],  # fmt: skip
+            "heads": (hq, hkv, float(scale)),
+            "norm": (self.norm.weight, float(self.norm.eps)),
+        }
+
+    @torch.no_grad()
+    def draft_pass(
+        self,
+        features: torch.Tensor | None,  # [B, M, n_t*d] new context rows' taps (padded), or None
+        ctx_len: list[int],  # valid new context rows of each sequence
+        anchors: list[int],
+        kv_caches: list[torch.Tensor],
+        page_table: torch.Tensor,  # int [B, pages]: each sequence's pages (the new rows' too)
+        past: list[int],  # rows each sequence had cached before the new ones
+        rows: int,  # the first block rows wanted (the drafted ones)
+        one_thread_update: bool,
+        walk: tuple[int, list[int]] | None = None,  # (top_k, slots per sequence): greedy walk
+    ) -> list[torch.Tensor]:
+        """:meth:`context_update` of the new rows, :meth:`block_forward` of the block after
+        them, :meth:`base_logits` and, with ``walk``, :meth:`greedy_path`, in one
+        ``edgebuild_attn::draft_pass`` call (:attr:`pass_args` must be set): the same op
+        calls on the same inputs, so the same cache bits and the same outputs
+        (tests/test_draft_program.py). Returns ``[h, base]`` (fp32 ``[B, rows, d]``, fp32
+        ``[B, rows, V or V']``), then with ``walk`` :meth:`greedy_path`'s ``cand, choice,
+        confidence``. Sequence b's new rows go to cache slots ``past[b] ..`` (their pages
+        reserved in ``page_table``), its block sits at positions ``past[b] + ctx_len[b] ..``.
+        ``one_thread_update``: the update on one thread
+        (:data:`edgebuild.runtime.dspark_backend.ONE_THREAD_ROWS`); the walk always is (as
+        :meth:`~edgebuild.runtime.dspark_backend.TorchDraft.propose` runs it).
+
+        Raises:
+            RuntimeError: a page missing for a new row, a token id outside the embedding, a
+                position outside the RoPE table (the op's checks name the sequence and row).
+        """
+        a = self.pass_args
+        bs = self.config.block_size
+        top = max(p + n for p, n in zip(past, ctx_len, strict=True)) + bs
+        table = self.rope_table(top)
+        if features is not None and features.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"DSparkDraft: features must be [B, M, n_t*d = {self.fc.in_features}] (taps "
+                f"{list(self.config.target_layer_ids)} concatenated), got {tuple(features.shape)}"
+            )
+        hq, hkv, scale = a["heads"]
+        if walk is not None and a["walk"] is None:
+            raise ValueError("DSparkDraft.draft_pass: this draft's head has no greedy walk")
+        k, counts = (0, None) if walk is None else (walk[0], torch.tensor(walk[1]))
+        heads = a["walk"] or (None,) * 4 + (None, 0.0)
+        return torch.ops.edgebuild_attn.draft_pass(
+            features, ctx_len, *a["fc"], *a["ctx"], self.embed_tokens.weight, anchors,
+            self.config.mask_token_id, bs, *a["block"], kv_caches, page_table.long(), past,
+            table, hq, hkv, scale, rows, *a["norm"], one_thread_update, *a["head"], k, counts,
+            self.token_map, *heads,
+        )  # fmt: skip
 
     def _context_program(self) -> dict | None:
         """``edgebuild_attn::context_layers``' per-layer lists (each layer's packed k/v call and
@@ -572,6 +674,12 @@ class DSparkDraft(nn.Module):
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cache, batch, table)
         return self.norm(x[:, :keep])
+
+    @property
+    def vocab_columns(self) -> int:
+        """Columns of :meth:`base_logits`: the :attr:`token_map`'s tokens, else ``lm_head``'s
+        rows."""
+        return len(self.token_map) if self.token_map is not None else self.lm_head.out_features
 
     @torch.no_grad()
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -191,6 +191,11 @@ class TargetBackend(Protocol):
 class DraftBackend(Protocol):
     """Runs a speculative draft (DSpark) with its own context cache.
 
+    A backend class may also define ``propose_after_context(ctx_seqs, features, *propose's
+    arguments)``: :meth:`update_context` then :meth:`propose` in one go, with the same cache
+    and proposals (:meth:`edgebuild.runtime.dspark_backend.TorchDraft.propose_after_context`);
+    the DSpark decoder then calls it instead of the two.
+
     Attributes:
         block_size: B, rows of one draft block (anchor + B-1 masks); at most B drafts a step.
         target_layer_ids: the target layers whose hidden states the draft reads (the

@@ -587,7 +587,14 @@ class DSparkDecoder(TargetOnlyDecoder):
         """
         t0 = time.perf_counter()
         need = [s for s in live if s.pending_features is not None and len(s.pending_features)]
-        if need:
+        # a backend whose class takes the update with the block pass (TorchDraft: one C++
+        # call); not through a wrapper's attribute lookup, which would skip its own propose
+        fused = (
+            self.draft.propose_after_context
+            if hasattr(type(self.draft), "propose_after_context")
+            else None
+        )
+        if need and fused is None:
             self.draft.update_context(
                 [s.draft_seq for s in need], [s.pending_features for s in need]
             )
@@ -599,15 +606,21 @@ class DSparkDecoder(TargetOnlyDecoder):
         # the drafts of a request with a grammar are drawn under its mask (runtime/structured.py)
         masks = [None if s.grammar is None else s.grammar.draft_mask() for s in live]
         kw = {"constraints": masks} if any(m is not None for m in masks) else {}
+        args = (
+            [s.draft_seq for s in live],
+            [s.anchor for s in live],
+            counts,
+            [s.params for s in live],
+            [s.generator for s in live],
+        )
         try:
-            proposals = self.draft.propose(
-                [s.draft_seq for s in live],
-                [s.anchor for s in live],
-                counts,
-                [s.params for s in live],
-                [s.generator for s in live],
-                **kw,
-            )
+            if fused is None:
+                proposals = self.draft.propose(*args, **kw)
+            else:
+                ctx = [s.draft_seq for s in need], [s.pending_features for s in need]
+                proposals = fused(*ctx, *args, **kw)
+                for s in need:
+                    s.pending_features = s.pending_buffer = None
         finally:
             for m in masks:
                 if m is not None:

@@ -25,8 +25,10 @@ from contextlib import nullcontext
 
 import torch
 
+from edgebuild.models import common
 from edgebuild.models.common import PagedBatch
 from edgebuild.models.dspark import DSparkDraft, MarkovHeadType
+from edgebuild.ops import attention_fast, attention_kernel
 from edgebuild.runtime.backend import Proposal
 from edgebuild.runtime.kv_cache import (
     DraftRing,
@@ -233,6 +235,84 @@ class TorchDraft:
         with one_thread():
             return self.walk(h, base, anchors, num_tokens, params, generators, constraints)
 
+    @torch.inference_mode()
+    def propose_after_context(
+        self,
+        ctx_seqs: list[Sequence],
+        features: list[torch.Tensor],
+        seqs: list[Sequence],
+        anchors: list[int],
+        num_tokens: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator],
+        constraints: list | None = None,
+    ) -> list[Proposal]:
+        """:meth:`update_context` ``(ctx_seqs, features)``, then :meth:`propose` (the other
+        arguments): the same cache, the same proposals (tests/test_draft_program.py). Where
+        the draft runs on edgebuild's kernels (:attr:`DSparkDraft.pass_args`; no ring) and
+        ``ctx_seqs`` are among ``seqs``, the update, the block pass, the draft's ``lm_head``
+        and, for a greedy batch without grammars, the walk are one C++ call
+        (:meth:`DSparkDraft.draft_pass`), without the two step plans, the batch bookkeeping
+        and the calls' wrappers in Python between them: a SmolLM2 proposal right after a
+        target pass (fp32, the interpreter's data from memory) 2.5 -> 1.7 ms at one thread,
+        2.2 -> 1.4 ms at two (bench/README.md). The DSpark decoder calls this instead of the
+        two when the backend's class has it."""
+        n_max = max(num_tokens, default=0)
+        at = {id(s): b for b, s in enumerate(seqs)}
+        if (
+            n_max == 0
+            or self.ring is not None
+            or self.model.pass_args is None
+            or not common.CPP_LAYERS
+            or not attention_fast.FUSED_STEP
+            or self.block_size > attention_fast.ROW_INVARIANT_MAX_ROWS
+            or not attention_kernel.usable(torch.float32, self.pools[0], self.model.config.head_dim)
+            or len({id(s) for s in ctx_seqs}) != len(ctx_seqs)
+            or any(id(s) not in at for s in ctx_seqs)
+        ):
+            if ctx_seqs:
+                self.update_context(ctx_seqs, features)
+            return self.propose(seqs, anchors, num_tokens, params, generators, constraints)
+        ctx_len = [0] * len(seqs)
+        for s, f in zip(ctx_seqs, features, strict=True):
+            ctx_len[at[id(s)]] = int(f.shape[0])
+        rows = None  # the new rows' features, padded: [B, most new rows, n_t * d]
+        if ctx_seqs:
+            rows = features[0].new_zeros(len(seqs), max(ctx_len), features[0].shape[-1])
+            for s, f in zip(ctx_seqs, features, strict=True):
+                rows[at[id(s)], : f.shape[0]] = f
+                self.allocator.reserve(s, int(f.shape[0]))  # as make_batch does
+        past = [s.length for s in seqs]
+        walk = None
+        greedy = self._greedy_walk(params, constraints, self.model.vocab_columns)
+        if greedy and self.model.pass_args["walk"] is not None:
+            walk = (self.top_k, num_tokens)  # the walk in the same call (greedy_path's)
+        out = self.model.draft_pass(
+            rows, ctx_len, anchors, self.pools, self.allocator.page_table(seqs), past, n_max,
+            sum(ctx_len) <= ONE_THREAD_ROWS, walk,
+        )  # fmt: skip
+        for s, n in zip(seqs, ctx_len, strict=True):
+            if n:
+                self.allocator.advance(s, n)
+        if walk is not None:
+            return greedy_proposals(*out[2:], num_tokens)
+        with one_thread():
+            return self.walk(*out, anchors, num_tokens, params, generators, constraints)
+
+    def _greedy_walk(
+        self, params: list[SamplingParams], constraints: list | None, vocab: int
+    ) -> bool:
+        """Whether :meth:`walk` takes the one-call greedy path: candidates cut to
+        ``draft_top_k`` below ``vocab`` (the base logits' columns), a head that is not rnn,
+        every request greedy, no grammar."""
+        head = self.model.markov_head
+        return (
+            0 < self.top_k < vocab
+            and (head is None or head.head_type is not MarkovHeadType.RNN)
+            and all(p.greedy for p in params)
+            and (constraints is None or all(c is None for c in constraints))
+        )
+
     def walk(
         self,
         h: torch.Tensor,  # [B, n, d] post-norm draft hidden of the drafted rows
@@ -255,12 +335,7 @@ class TorchDraft:
         k_cand = self.top_k if 0 < self.top_k < vocab else vocab
         head = self.model.markov_head
         rnn = head is not None and head.head_type is MarkovHeadType.RNN
-        if (
-            k_cand < vocab
-            and not rnn
-            and all(p.greedy for p in params)
-            and (constraints is None or all(c is None for c in constraints))
-        ):  # greedy: only the path taken is scored, in one C++ call
+        if self._greedy_walk(params, constraints, vocab):  # only the path taken, in one call
             got = self.model.greedy_path(h, base, torch.tensor(anchors), num_tokens, k_cand)
             if got is not None:
                 return greedy_proposals(*got, num_tokens)

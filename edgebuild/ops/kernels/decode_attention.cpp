@@ -26,7 +26,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <algorithm>
 #include <vector>
 
@@ -672,6 +674,182 @@ void context_layers(const at::Tensor& c, at::TensorList caches, at::TensorList w
   }
 }
 
+
+// torch's intra-op threads (which edgebuild's kernel pool sizes itself from) set to 1 while
+// alive, when `on` (edgebuild.runtime.threads.one_thread's rule, inside one call).
+struct OneThread {
+  int threads = 0;
+  explicit OneThread(bool on) {
+    if (on && at::get_num_threads() > 1) {
+      threads = at::get_num_threads();
+      at::set_num_threads(1);
+    }
+  }
+  ~OneThread() {
+    if (threads) at::set_num_threads(threads);
+  }
+};
+
+using MarkovOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, double);
+
+// Rows `pos` [N] of the RoPE table (fp32 [max_position, rotary_dim]) as the step's cos and sin,
+// fp32 [N, rotary_dim / 2] each: attention_fast._rope_rows' values (copies of the table's).
+std::pair<at::Tensor, at::Tensor> rope_rows(const at::Tensor& rope, const std::vector<int64_t>& pos,
+                                            const char* op) {
+  const int64_t half = rope.size(1) / 2;
+  for (int64_t p : pos)
+    TORCH_CHECK(p >= 0 && p < rope.size(0), op, ": position ", p, " is outside the RoPE table (",
+                rope.size(0), " rows)");
+  const at::Tensor idx = at::tensor(pos, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor r = rope.index_select(0, idx);
+  return {r.narrow(1, 0, half).contiguous(), r.narrow(1, half, half).contiguous()};
+}
+
+// A DSpark draft's proposal in one call (edgebuild.runtime.dspark_backend.TorchDraft.
+// propose_after_context): the context update (fc of the new rows' target features, then
+// context_layers: every layer's K/V written), the block pass (the rows [anchor, mask x (S - 1)]
+// embedded, decoder_layers with the block's masks: non-causal, nothing written, the last layer
+// cut to last_rows), the final RMSNorm, the draft's lm_head (head_*: its packed call, over the
+// token map) and, with walk_k > 0 (a greedy batch), the one-call greedy walk (markov_greedy over
+// walk_k candidates, `counts` slots each). Returns [h, base] or [h, base, cand, choice, conf].
+// The same op calls on the same inputs as the Python path (update_context, block_forward,
+// base_logits, greedy_path), so the same cache bits and outputs (tests/test_draft_program.py);
+// what goes is that path's Python: the two step plans, the batch bookkeeping, the embedding, the
+// norm's torch calls and the calls' wrappers (~1 ms of a SmolLM2 proposal right after a target
+// pass, when the interpreter's data comes from memory; bench/README.md).
+//
+// features fp32 [B, M, F] (padding rows past ctx_len[b] are projected, never written) or none;
+// sequence b's ctx_len[b] new rows sit at cache slots past[b] .. (pages: table [B, pages], int64,
+// its pages already reserved); its block at positions past[b] + ctx_len[b] + 0 .. S - 1 attends
+// every cached row. ctx_one_thread: the update's linears and writes on one thread (the runtime's
+// rule for a short update, dspark_backend.ONE_THREAD_ROWS), the block at the caller's threads.
+std::vector<at::Tensor> draft_pass(
+    const c10::optional<at::Tensor>& features, at::IntArrayRef ctx_len, int64_t fc_kind,
+    const at::Tensor& fc_w, const at::Tensor& fc_sl, const c10::optional<at::Tensor>& fc_bias,
+    int64_t fc_n, at::TensorList cw, at::TensorList csl,
+    const c10::List<c10::optional<at::Tensor>>& cbias, at::IntArrayRef cn, at::IntArrayRef ckind,
+    const at::Tensor& hidden_norm, double hidden_eps,
+    const c10::List<c10::optional<at::Tensor>>& k_norm, const at::Tensor& embed,
+    at::IntArrayRef anchors, int64_t mask_id, int64_t S, at::TensorList w, at::TensorList sl,
+    const c10::List<c10::optional<at::Tensor>>& bias, at::IntArrayRef n, at::IntArrayRef kind,
+    at::TensorList norm, at::ArrayRef<double> eps,
+    const c10::List<c10::optional<at::Tensor>>& qk_norm, double qk_eps, at::TensorList caches,
+    const at::Tensor& table, at::IntArrayRef past, const at::Tensor& rope, int64_t hq,
+    int64_t hkv, double scale, int64_t last_rows, const at::Tensor& final_norm,
+    double final_eps, bool ctx_one_thread, int64_t head_kind, const at::Tensor& head_w,
+    const at::Tensor& head_sl, const c10::optional<at::Tensor>& head_bias, int64_t head_n,
+    int64_t walk_k, const c10::optional<at::Tensor>& counts,
+    const c10::optional<at::Tensor>& token_map, const c10::optional<at::Tensor>& w1,
+    const c10::optional<at::Tensor>& w2, const c10::optional<at::Tensor>& gate_w,
+    const c10::optional<at::Tensor>& gate_b, const c10::optional<at::Tensor>& conf_w,
+    double conf_b) {
+  const char* op = "draft_pass";
+  const int64_t B = anchors.size();
+  TORCH_CHECK(B > 0 && S > 0 && (int64_t)past.size() == B && (int64_t)ctx_len.size() == B,
+              op, ": anchors, past and ctx_len need one entry per sequence, and S > 0");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == at::kLong &&
+                  table.is_contiguous(),
+              op, ": table must be int64 [B, pages]");
+  TORCH_CHECK(rope.dim() == 2 && rope.scalar_type() == at::kFloat && rope.is_contiguous(), op,
+              ": rope must be fp32 [max_position, rotary_dim]");
+  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+              op, ": embed must be fp32 [vocab, d]");
+  TORCH_CHECK(!caches.empty(), op, ": no KV pools");
+  const int64_t ps = caches[0].size(3), P = caches[0].size(0), pages = table.size(1);
+  const int64_t half = rope.size(1) / 2;
+  const int64_t* tp = table.data_ptr<int64_t>();
+  auto slot = [&](int64_t b, int64_t r, int64_t& page, int64_t& off) {
+    const int64_t j = r / ps;
+    TORCH_CHECK(j < pages, op, ": sequence ", b, " has no page for cache row ", r);
+    page = tp[b * pages + j];
+    off = r % ps;
+    TORCH_CHECK(page >= 0 && page < P, op, ": sequence ", b, " row ", r, " is on page ", page,
+                " outside the pool");
+  };
+  const auto lopt = at::TensorOptions().dtype(at::kLong);
+  const c10::optional<at::Tensor> none;
+  // 1. the context update
+  int64_t ctx_rows = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ctx_len[b] >= 0 && past[b] >= 0, op, ": negative past / ctx_len");
+    ctx_rows += ctx_len[b];
+  }
+  if (ctx_rows > 0) {
+    TORCH_CHECK(features.has_value() && features->dim() == 3 && features->size(0) == B, op,
+                ": features must be [B, M, F] when rows are added");
+    const int64_t M = features->size(1);
+    std::vector<int64_t> pos, wb, wi, wp, wo;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ctx_len[b] <= M, op, ": sequence ", b, " adds ", ctx_len[b], " rows of ", M);
+      for (int64_t i = 0; i < M; ++i) pos.push_back(past[b] + i);
+      for (int64_t i = 0; i < ctx_len[b]; ++i) {
+        int64_t page, off;
+        slot(b, past[b] + i, page, off);
+        wb.push_back(b), wi.push_back(i), wp.push_back(page), wo.push_back(off);
+      }
+    }
+    auto [cos, sin] = rope_rows(rope, pos, op);
+    OneThread alone(ctx_one_thread);
+    const at::Tensor c = run_linear(op, fc_kind, fc_w, fc_sl, fc_bias, fc_n,
+                                    features->to(at::kFloat), none, 0.0, false, none);
+    context_layers(c, caches, cw, csl, cbias, cn, ckind, hidden_norm, hidden_eps, k_norm, qk_eps,
+                   cos.view({B, M, half}), sin.view({B, M, half}), at::tensor(wb, lopt),
+                   at::tensor(wi, lopt), at::tensor(wp, lopt), at::tensor(wo, lopt), table, hq,
+                   scale);
+  }
+  // 2. the block pass: [anchor, mask x (S - 1)] at the slots after the context
+  std::vector<int64_t> ids, pos, wb, wi;
+  int64_t width = 0;  // the cached key columns (the widest sequence's context)
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = past[b] + ctx_len[b];
+    width = std::max(width, s);
+    for (int64_t i = 0; i < S; ++i) {
+      ids.push_back(i == 0 ? anchors[b] : mask_id);
+      pos.push_back(s + i);
+      wb.push_back(b), wi.push_back(i);
+    }
+  }
+  for (int64_t id : ids)
+    TORCH_CHECK(id >= 0 && id < embed.size(0), op, ": token id ", id, " is outside the embedding");
+  const at::Tensor x = embed.index_select(0, at::tensor(ids, lopt)).view({B, S, embed.size(1)});
+  auto [cos, sin] = rope_rows(rope, pos, op);
+  auto mask = at::zeros({B * S, width}, at::TensorOptions().dtype(at::kBool));
+  bool* mp = mask.data_ptr<bool>();
+  for (int64_t r = 0; r < B * S; ++r)
+    for (int64_t t = 0; t < past[wb[r]] + ctx_len[wb[r]]; ++t) mp[r * width + t] = true;
+  const at::Tensor zero = at::zeros({B * S}, lopt);  // a block writes nothing: no slots
+  const std::vector<at::Tensor> outs = decoder_layers(
+      x, caches, w, sl, bias, n, kind, norm, eps, qk_norm, qk_eps, cos.view({B, S, half}),
+      sin.view({B, S, half}), at::tensor(wb, lopt), at::tensor(wi, lopt), zero, zero, table, mask,
+      hq, hkv, scale, {}, at::ones({B * S, S}, at::TensorOptions().dtype(at::kBool)),
+      last_rows > 0 && last_rows < S ? last_rows : 0);
+  // 3. the final norm as edgebuild.ops.norm.rms_norm's torch ops (the same bits)
+  const at::Tensor& y = outs[0];
+  at::Tensor hidden = y.to(at::kFloat);
+  const at::Tensor variance = hidden.pow(2).mean(-1, true);
+  hidden = hidden * at::rsqrt(variance + final_eps);
+  const at::Tensor h = final_norm * hidden.to(y.scalar_type());
+  // 4. the draft's lm_head (over its token map) and, for a greedy batch, the walk
+  const at::Tensor base =
+      run_linear(op, head_kind, head_w, head_sl, head_bias, head_n, h.to(at::kFloat), none, 0.0,
+                 false, none).to(at::kFloat);
+  if (walk_k <= 0) return {h, base};
+  static const auto markov = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("edgebuild_f32::markov_greedy", "")
+                                 .typed<MarkovOp>();
+  OneThread walk_alone(true);
+  TORCH_CHECK(counts.has_value(), op, ": a walk needs counts");
+  auto [cand, choice, conf] =
+      markov.call(base, at::tensor(std::vector<int64_t>(anchors.begin(), anchors.end()), lopt),
+                  *counts, walk_k, token_map, w1, w2, gate_w, gate_b, h, conf_w, conf_b);
+  return {h, base, cand, choice, conf};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgebuild_attn, m) {
@@ -690,10 +868,21 @@ TORCH_LIBRARY(edgebuild_attn, m) {
         "int[] n, int[] kind, Tensor norm, float eps, Tensor?[] k_norm, float qk_eps, "
         "Tensor cos, Tensor sin, Tensor write_b, Tensor write_i, Tensor write_pages, "
         "Tensor write_offsets, Tensor table, int hq, float scale) -> ()");
+  m.def("draft_pass(Tensor? features, int[] ctx_len, int fc_kind, Tensor fc_w, Tensor fc_sl, "
+        "Tensor? fc_bias, int fc_n, Tensor[] cw, Tensor[] csl, Tensor?[] cbias, int[] cn, "
+        "int[] ckind, Tensor hidden_norm, float hidden_eps, Tensor?[] k_norm, Tensor embed, "
+        "int[] anchors, int mask_id, int S, Tensor[] w, Tensor[] sl, Tensor?[] bias, int[] n, "
+        "int[] kind, Tensor[] norm, float[] eps, Tensor?[] qk_norm, float qk_eps, "
+        "Tensor(a!)[] caches, Tensor table, int[] past, Tensor rope, int hq, int hkv, "
+        "float scale, int last_rows, Tensor final_norm, float final_eps, bool ctx_one_thread, "
+        "int head_kind, Tensor head_w, Tensor head_sl, Tensor? head_bias, int head_n, "
+        "int walk_k, Tensor? counts, Tensor? token_map, Tensor? w1, Tensor? w2, "
+        "Tensor? gate_w, Tensor? gate_b, Tensor? conf_w, float conf_b) -> Tensor[]");
 }
 TORCH_LIBRARY_IMPL(edgebuild_attn, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_step", &decode_step);
   m.impl("decoder_layers", &decoder_layers);
   m.impl("context_layers", &context_layers);
+  m.impl("draft_pass", &draft_pass);
 }
