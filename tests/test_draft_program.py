@@ -438,6 +438,21 @@ def test_argmax_is_torchs_first_max_and_first_nan():
     assert f32_linear.argmax(x[:, ::2]).tolist() == x[:, ::2].argmax(-1).tolist()  # strided
 
 
+def cached_rows(draft, seqs) -> torch.Tensor:
+    """Every layer's cached K/V rows of each sequence, read through its pages (the free
+    list's order may differ between two drafts: the rows must not): [L, sum(lengths), 2, Hkv,
+    D]."""
+    ps = draft.pools[0].shape[3]
+    out = []
+    for pool in draft.pools:
+        rows = []
+        for s in seqs:
+            for r in range(s.length):
+                rows.append(pool[s.pages[r // ps], :, :, r % ps])
+        out.append(torch.stack(rows))
+    return torch.stack(out)
+
+
 @kernels
 @pytest.mark.parametrize("quant", ["none", "int4"])
 def test_the_whole_proposal_in_one_call_equals_the_passes_bit_for_bit(pair, quant, monkeypatch):
@@ -503,15 +518,13 @@ def test_the_whole_proposal_in_one_call_equals_the_passes_bit_for_bit(pair, quan
                     assert torch.equal(a.q, b.q) and torch.equal(a.confidence, b.confidence)
                     assert (a.q_ids is None) == (b.q_ids is None)
                     assert a.q_ids is None or torch.equal(a.q_ids, b.q_ids)
-                assert [s.length for s in s1] == [s.length for s in s2]
-                for p1, p2 in zip(one.pools, two.pools, strict=True):
-                    assert torch.equal(p1, p2)
+                assert torch.equal(cached_rows(one, s1), cached_rows(two, s2))
             # the greedy steps walked in the call, the sampled ones in Python on its h
             assert walks == [None if p is sampled else (one.top_k, c) for _, _, c, p in steps]
             assert len(hs[id(one)]) == 2 and len(hs[id(two)]) == len(steps)
             for a, b in zip(hs[id(one)], [hs[id(two)][i] for i in (1, 3)], strict=True):
                 assert a.shape == b.shape and torch.equal(a, b)
-            assert any(len(p.tokens) for p in got) and one.pools[0].abs().sum() > 0
+            assert any(len(p.tokens) for p in got) and cached_rows(one, s1).abs().sum() > 0
             one.model.pass_args = None  # not bound: the passes
             feats = [torch.randn(2, width, generator=g)]
             got = one.propose_after_context(
@@ -523,5 +536,49 @@ def test_the_whole_proposal_in_one_call_equals_the_passes_bit_for_bit(pair, quan
                                [torch.Generator() for _ in range(3)])  # fmt: skip
             assert len(walks) == len(steps)
             assert [p.tokens for p in got] == [p.tokens for p in want]
-            for p1, p2 in zip(one.pools, two.pools, strict=True):
-                assert torch.equal(p1, p2)
+            assert torch.equal(cached_rows(one, s1), cached_rows(two, s2))
+
+
+@kernels
+def test_the_one_call_proposal_takes_long_contexts_and_falls_back_where_it_must(pair, monkeypatch):
+    """Next to a sequence of 1,000 context rows, a new one adds 30 rows while the first adds
+    none, then 1 (its padding rows' positions would pass the RoPE table's first 1,024 rows:
+    they once did and failed the step): the same caches and proposals as the two passes. A
+    batch listing one sequence twice, or adding rows to one outside the batch, takes the two
+    passes."""
+    from edgebuild.runtime.sampling import SamplingParams
+
+    target, draft_dir = pair
+    spec = {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 4,
+            "quantization": "none"}  # fmt: skip
+    opts = RuntimeOptions(dtype=torch.float32, max_kv_rows=2048, page_size=8)
+    one, two = (LLM(target, speculative=spec, options=opts).draft for _ in range(2))
+    calls = []
+    monkeypatch.setattr(
+        one.model,
+        "draft_pass",
+        lambda *a, f=one.model.draft_pass, c=calls, **k: c.append(1) or f(*a, **k),
+    )
+    g = torch.Generator().manual_seed(9)
+    width = one.model.fc.in_features
+    s1 = [one.new_sequence() for _ in range(2)]
+    s2 = [two.new_sequence() for _ in range(2)]
+    greedy = [SamplingParams()] * 2
+    for who, rows in (((0,), (1000,)), ((1,), (30,)), ((0, 1), (1, 30)), ((0,), (3,))):
+        feats = [torch.randn(n, width, generator=g) for n in rows]
+        got = one.propose_after_context(
+            [s1[i] for i in who], feats, s1, [4, 8], [3, 4], greedy, [torch.Generator()] * 2
+        )
+        two.update_context([s2[i] for i in who], feats)
+        want = two.propose(s2, [4, 8], [3, 4], greedy, [torch.Generator()] * 2)
+        assert [p.tokens for p in got] == [p.tokens for p in want]
+        assert torch.equal(cached_rows(one, s1), cached_rows(two, s2))
+    assert len(calls) == 4 and s1[0].length == 1004
+    extra = one.new_sequence()
+    feats = [torch.randn(2, width, generator=g)]
+    for ctx, seqs in (([s1[0]], [s1[0], s1[0]]), ([extra], s1)):
+        one.propose_after_context(ctx, feats, seqs, [1] * len(seqs), [2] * len(seqs),
+                                  [SamplingParams()] * len(seqs),
+                                  [torch.Generator() for _ in seqs])  # fmt: skip
+    assert len(calls) == 4  # both took the two passes
+    assert extra.length == 2 and s1[0].length == 1006

@@ -415,13 +415,16 @@ class DSparkDraft(nn.Module):
             or fc is None
             or head is None
             or emb.dtype != torch.float32
-            or block.layers[0][-1][3] > 0  # a sliding window: the block's masks differ
         ):
             return None
         lists = {k: [] for k in ("w", "sl", "bias", "n", "kind")}
         add_linear_args(lists, fc[0].default, fc[1])
         add_linear_args(lists, head[0].default, head[1])
-        hq, hkv, _, _, scale, _ = block.layers[0][-1]
+        hq, hkv, _, window, scale, _ = block.layers[0][-1]
+        if window:  # a sliding window: the block's masks are the window's (not built here)
+            return None
+        if (hq, float(scale), block.flat["qk_eps"]) != (prog["hq"], prog["scale"], prog["eps"]):
+            return None  # the call's one set of heads, scale and q/k-norm eps serves both
         walk = None  # markov_greedy's head arguments, as f32_linear.markov_greedy passes them
         if self.walk_args is not None:
             w1, w2, gate, conf = self.walk_args
@@ -449,7 +452,7 @@ class DSparkDraft(nn.Module):
     @torch.no_grad()
     def draft_pass(
         self,
-        features: torch.Tensor | None,  # [B, M, n_t*d] new context rows' taps (padded), or None
+        features: torch.Tensor | None,  # [C, M, n_t*d] the adding sequences' new rows, or None
         ctx_len: list[int],  # valid new context rows of each sequence
         anchors: list[int],
         kv_caches: list[torch.Tensor],
@@ -463,17 +466,20 @@ class DSparkDraft(nn.Module):
         them, :meth:`base_logits` and, with ``walk``, :meth:`greedy_path`, in one
         ``edgebuild_attn::draft_pass`` call (:attr:`pass_args` must be set): the same op
         calls on the same inputs, so the same cache bits and the same outputs
-        (tests/test_draft_program.py). Returns ``[h, base]`` (fp32 ``[B, rows, d]``, fp32
-        ``[B, rows, V or V']``), then with ``walk`` :meth:`greedy_path`'s ``cand, choice,
-        confidence``. Sequence b's new rows go to cache slots ``past[b] ..`` (their pages
-        reserved in ``page_table``), its block sits at positions ``past[b] + ctx_len[b] ..``.
+        (tests/test_draft_program.py). Returns ``[h, base]`` (fp32 ``[B, r, d]``, fp32
+        ``[B, r, V or V']``, ``r = min(rows, block_size)``), then with ``walk``
+        :meth:`greedy_path`'s ``cand, choice, confidence``. ``features`` holds the new rows of
+        the C sequences with ``ctx_len[b] > 0``, in batch order, padded to the most rows M.
+        Sequence b's new rows go to cache slots ``past[b] ..`` (their pages reserved in
+        ``page_table``), its block sits at positions ``past[b] + ctx_len[b] ..``.
         ``one_thread_update``: the update on one thread
         (:data:`edgebuild.runtime.dspark_backend.ONE_THREAD_ROWS`); the walk always is (as
         :meth:`~edgebuild.runtime.dspark_backend.TorchDraft.propose` runs it).
 
         Raises:
-            RuntimeError: a page missing for a new row, a token id outside the embedding, a
-                position outside the RoPE table (the op's checks name the sequence and row).
+            RuntimeError: a new row past ``page_table``'s pages or on a page outside the pool,
+                a token id outside the embedding, shapes that do not fit (the op's checks name
+                the sequence and row).
         """
         a = self.pass_args
         bs = self.config.block_size

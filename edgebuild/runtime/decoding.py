@@ -616,11 +616,12 @@ class DSparkDecoder(TargetOnlyDecoder):
         try:
             if fused is None:
                 proposals = self.draft.propose(*args, **kw)
-            else:
+            else:  # the pending rows are handed over (not kept for a retry: an error fails
+                # the batch, and a retry after a partial update would add them twice)
                 ctx = [s.draft_seq for s in need], [s.pending_features for s in need]
-                proposals = fused(*ctx, *args, **kw)
                 for s in need:
                     s.pending_features = s.pending_buffer = None
+                proposals = fused(*ctx, *args, **kw)
         finally:
             for m in masks:
                 if m is not None:

@@ -255,8 +255,11 @@ class TorchDraft:
         (:meth:`DSparkDraft.draft_pass`), without the two step plans, the batch bookkeeping
         and the calls' wrappers in Python between them: a SmolLM2 proposal right after a
         target pass (fp32, the interpreter's data from memory) 2.5 -> 1.7 ms at one thread,
-        2.2 -> 1.4 ms at two (bench/README.md). The DSpark decoder calls this instead of the
-        two when the backend's class has it."""
+        2.2 -> 1.4 ms at two (bench/README.md, runs of 2026-12-06 06:00-07:00 UTC). The
+        DSpark decoder calls this instead of the two when the backend's class has it, and
+        the start-up step-cost profile times it (LLM.enable_confidence_scheduling). The
+        pages a block would take are not reserved (the block writes none), so the free list
+        may order pages differently from the two passes' (the same rows either way)."""
         n_max = max(num_tokens, default=0)
         at = {id(s): b for b, s in enumerate(seqs)}
         if (
@@ -267,6 +270,7 @@ class TorchDraft:
             or not attention_fast.FUSED_STEP
             or self.block_size > attention_fast.ROW_INVARIANT_MAX_ROWS
             or not attention_kernel.usable(torch.float32, self.pools[0], self.model.config.head_dim)
+            or len(at) != len(seqs)
             or len({id(s) for s in ctx_seqs}) != len(ctx_seqs)
             or any(id(s) not in at for s in ctx_seqs)
         ):
@@ -276,12 +280,16 @@ class TorchDraft:
         ctx_len = [0] * len(seqs)
         for s, f in zip(ctx_seqs, features, strict=True):
             ctx_len[at[id(s)]] = int(f.shape[0])
-        rows = None  # the new rows' features, padded: [B, most new rows, n_t * d]
-        if ctx_seqs:
-            rows = features[0].new_zeros(len(seqs), max(ctx_len), features[0].shape[-1])
-            for s, f in zip(ctx_seqs, features, strict=True):
-                rows[at[id(s)], : f.shape[0]] = f
-                self.allocator.reserve(s, int(f.shape[0]))  # as make_batch does
+        rows = None  # the adding sequences' new rows in batch order, padded: [C, M, n_t * d]
+        adding = sorted(
+            ((at[id(s)], f) for s, f in zip(ctx_seqs, features, strict=True) if len(f)),
+            key=lambda bf: bf[0],
+        )
+        if adding:
+            rows = adding[0][1].new_zeros(len(adding), max(ctx_len), adding[0][1].shape[-1])
+            for c, (b, f) in enumerate(adding):
+                rows[c, : f.shape[0]] = f
+                self.allocator.reserve(seqs[b], int(f.shape[0]))  # as make_batch does
         past = [s.length for s in seqs]
         walk = None
         greedy = self._greedy_walk(params, constraints, self.model.vocab_columns)

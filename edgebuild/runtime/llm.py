@@ -264,8 +264,12 @@ class LLM:
                 ds = dseqs[:b]
                 lengths = [d.length for d in ds]
                 gens = [torch.Generator() for _ in range(b)]
-                self.draft.update_context(ds, [context_rows] * b)
-                self.draft.propose(ds, [anchor] * b, [drafted] * b, [params] * b, gens)
+                args = (ds, [anchor] * b, [drafted] * b, [params] * b, gens)
+                if hasattr(type(self.draft), "propose_after_context"):  # as the decoder does
+                    self.draft.propose_after_context(ds, [context_rows] * b, *args)
+                else:
+                    self.draft.update_context(ds, [context_rows] * b)
+                    self.draft.propose(*args)
                 for d, n in zip(ds, lengths, strict=True):
                     if not isinstance(d, RingSequence):  # a ring keeps a fixed set of pages
                         self.draft.allocator.truncate(d, n)

@@ -720,13 +720,14 @@ std::pair<at::Tensor, at::Tensor> rope_rows(const at::Tensor& rope, const std::v
 // The same op calls on the same inputs as the Python path (update_context, block_forward,
 // base_logits, greedy_path), so the same cache bits and outputs (tests/test_draft_program.py);
 // what goes is that path's Python: the two step plans, the batch bookkeeping, the embedding, the
-// norm's torch calls and the calls' wrappers (~1 ms of a SmolLM2 proposal right after a target
-// pass, when the interpreter's data comes from memory; bench/README.md).
+// norm's torch calls and the calls' wrappers (~0.8 ms of a SmolLM2 proposal right after a target
+// pass, when the interpreter's data comes from memory; bench/README.md, runs of 2026-12-06
+// 06:00-07:00 UTC).
 //
-// features fp32 [B, M, F] (padding rows past ctx_len[b] are projected, never written) or none;
-// sequence b's ctx_len[b] new rows sit at cache slots past[b] .. (pages: table [B, pages], int64,
-// its pages already reserved); its block at positions past[b] + ctx_len[b] + 0 .. S - 1 attends
-// every cached row. ctx_one_thread: the update's linears and writes on one thread (the runtime's
+// features fp32 [C, M, F]: the new rows of the C sequences with ctx_len[b] > 0, in batch order
+// (padding rows past ctx_len[b] are projected, never written), or none; sequence b's ctx_len[b]
+// new rows sit at cache slots past[b] .. (pages: table [B, pages], int64, its pages already
+// reserved); its block at positions past[b] + ctx_len[b] + 0 .. S - 1 attends every cached row. ctx_one_thread: the update's linears and writes on one thread (the runtime's
 // rule for a short update, dspark_backend.ONE_THREAD_ROWS), the block at the caller's threads.
 std::vector<at::Tensor> draft_pass(
     const c10::optional<at::Tensor>& features, at::IntArrayRef ctx_len, int64_t fc_kind,
@@ -779,27 +780,35 @@ std::vector<at::Tensor> draft_pass(
     TORCH_CHECK(ctx_len[b] >= 0 && past[b] >= 0, op, ": negative past / ctx_len");
     ctx_rows += ctx_len[b];
   }
-  if (ctx_rows > 0) {
-    TORCH_CHECK(features.has_value() && features->dim() == 3 && features->size(0) == B, op,
-                ": features must be [B, M, F] when rows are added");
+  if (ctx_rows > 0) {  // a batch of the sequences that add rows (features' rows, in order)
+    std::vector<int64_t> adds;
+    for (int64_t b = 0; b < B; ++b)
+      if (ctx_len[b] > 0) adds.push_back(b);
+    const int64_t C = adds.size();
+    TORCH_CHECK(features.has_value() && features->dim() == 3 && features->size(0) == C, op,
+                ": features must be [sequences adding rows = ", C, ", M, F]");
     const int64_t M = features->size(1);
     std::vector<int64_t> pos, wb, wi, wp, wo;
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t b = adds[c];
       TORCH_CHECK(ctx_len[b] <= M, op, ": sequence ", b, " adds ", ctx_len[b], " rows of ", M);
-      for (int64_t i = 0; i < M; ++i) pos.push_back(past[b] + i);
+      for (int64_t i = 0; i < M; ++i)  // a padding row's position: any valid one (unread)
+        pos.push_back(past[b] + std::min(i, ctx_len[b] - 1));
       for (int64_t i = 0; i < ctx_len[b]; ++i) {
         int64_t page, off;
         slot(b, past[b] + i, page, off);
-        wb.push_back(b), wi.push_back(i), wp.push_back(page), wo.push_back(off);
+        wb.push_back(c), wi.push_back(i), wp.push_back(page), wo.push_back(off);
       }
     }
     auto [cos, sin] = rope_rows(rope, pos, op);
+    const at::Tensor ctable =
+        C == B ? table : table.index_select(0, at::tensor(adds, lopt)).contiguous();
     OneThread alone(ctx_one_thread);
     const at::Tensor c = run_linear(op, fc_kind, fc_w, fc_sl, fc_bias, fc_n,
                                     features->to(at::kFloat), none, 0.0, false, none);
     context_layers(c, caches, cw, csl, cbias, cn, ckind, hidden_norm, hidden_eps, k_norm, qk_eps,
-                   cos.view({B, M, half}), sin.view({B, M, half}), at::tensor(wb, lopt),
-                   at::tensor(wi, lopt), at::tensor(wp, lopt), at::tensor(wo, lopt), table, hq,
+                   cos.view({C, M, half}), sin.view({C, M, half}), at::tensor(wb, lopt),
+                   at::tensor(wi, lopt), at::tensor(wp, lopt), at::tensor(wo, lopt), ctable, hq,
                    scale);
   }
   // 2. the block pass: [anchor, mask x (S - 1)] at the slots after the context
