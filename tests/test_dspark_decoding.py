@@ -200,6 +200,36 @@ def test_a_lattice_over_the_memory_bound_is_walked_token_by_token_with_the_same_
     assert backend.lattice_bytes(28, 7, 4096, 576) > 10 * 2**30  # the case that was killed
 
 
+def test_the_decoder_proposes_in_one_call_and_stays_lossless(tiny, tmp_path, monkeypatch):
+    """DSparkDecoder.propose hands the pending context rows and the block to the draft in one
+    call (TorchDraft.propose_after_context, the C++ draft_pass where the draft runs on the
+    kernels): greedy output equals target-only and the same as with the two passes (the
+    decoder on a draft class without the method), with the same acceptance."""
+    from edgebuild.ops import f32_linear
+    from edgebuild.runtime.dspark_backend import TorchDraft
+
+    if not f32_linear.available():
+        pytest.skip("edgebuild's kernels do not run on this CPU")
+    target_dir, model = tiny
+    draft_dir = make_random_draft(tmp_path / "draft", target_dir, block_size=7, num_layers=2)
+    prompts = prompts_of([5, 17, 2, 11])
+    params = SamplingParams(max_tokens=30)
+    ref = [s.output_ids for s in target_only(model, prompts, params)]
+    draft = load_draft(draft_dir, target_dir, 4)
+    assert draft.model.pass_args is not None
+    calls = []
+    real = draft.model.draft_pass
+    monkeypatch.setattr(draft.model, "draft_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = speculative(model, draft, prompts, params, 4)
+    assert [s.output_ids for s in got] == ref and calls  # the one call ran
+    monkeypatch.delattr(TorchDraft, "propose_after_context")  # the decoder's two passes
+    two = speculative(model, load_draft(draft_dir, target_dir, 4), prompts, params, 4)
+    assert [s.output_ids for s in two] == ref
+    acc = [[s.metrics.acceptance_by_position for s in states] for states in (got, two)]
+    assert acc[0] == acc[1]  # the same drafts were proposed and accepted
+    assert any(a > 0 for per in acc[0] for a in per)  # some drafts were accepted
+
+
 @pytest.mark.parametrize("batch_lengths", [[9], [5, 17, 2, 11]])
 def test_rigged_draft_accepts_everything_and_stays_lossless(tiny, batch_lengths):
     _, model = tiny
