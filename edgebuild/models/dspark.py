@@ -425,16 +425,7 @@ class DSparkDraft(nn.Module):
             return None
         if (hq, float(scale), block.flat["qk_eps"]) != (prog["hq"], prog["scale"], prog["eps"]):
             return None  # the call's one set of heads, scale and q/k-norm eps serves both
-        walk = None  # markov_greedy's head arguments, as f32_linear.markov_greedy passes them
-        if self.walk_args is not None:
-            w1, w2, gate, conf = self.walk_args
-            walk = (
-                *(None if w is None else w.contiguous() for w in (w1, w2)),
-                *((None, None) if gate is None else (gate[0].float().contiguous(),
-                                                    gate[1].float().contiguous())),
-                *((None, 0.0) if conf is None else (conf[0].float().contiguous(),
-                                                   float(conf[1]))),
-            )  # fmt: skip
+        walk = None if self.walk_args is None else f32_linear.markov_head_args(*self.walk_args)
         return {
             "fc": [lists[k][0] for k in ("kind", "w", "sl", "bias", "n")],
             "head": [lists[k][1] for k in ("kind", "w", "sl", "bias", "n")],
@@ -485,11 +476,8 @@ class DSparkDraft(nn.Module):
         bs = self.config.block_size
         top = max(p + n for p, n in zip(past, ctx_len, strict=True)) + bs
         table = self.rope_table(top)
-        if features is not None and features.shape[-1] != self.fc.in_features:
-            raise ValueError(
-                f"DSparkDraft: features must be [B, M, n_t*d = {self.fc.in_features}] (taps "
-                f"{list(self.config.target_layer_ids)} concatenated), got {tuple(features.shape)}"
-            )
+        if features is not None:
+            self._check_features(features)
         hq, hkv, scale = a["heads"]
         if walk is not None and a["walk"] is None:
             raise ValueError("DSparkDraft.draft_pass: this draft's head has no greedy walk")
@@ -554,13 +542,17 @@ class DSparkDraft(nn.Module):
         """
         return self.hidden_norm(self._fc(features)).to(self.fc.weight.dtype)
 
-    def _fc(self, features: torch.Tensor) -> torch.Tensor:
-        """``fc(F)`` fp32 ``[B, M, d]`` (:meth:`project_context` before ``hidden_norm``)."""
+    def _check_features(self, features: torch.Tensor) -> None:
+        """ValueError naming the expected width unless ``features`` is ``[..., n_t*d]``."""
         if features.shape[-1] != self.fc.in_features:
             raise ValueError(
                 f"DSparkDraft: features must be [B, M, n_t*d = {self.fc.in_features}] (taps "
                 f"{list(self.config.target_layer_ids)} concatenated), got {tuple(features.shape)}"
             )
+
+    def _fc(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc(F)`` fp32 ``[B, M, d]`` (:meth:`project_context` before ``hidden_norm``)."""
+        self._check_features(features)
         if use_packed(self.packed_fc):
             return self.packed_fc(features.float())  # fp32 in, fp32 out (pack_for_cpu)
         return F.linear(features.float(), self.fc.weight.float())

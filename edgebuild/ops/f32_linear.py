@@ -425,15 +425,30 @@ def markov_greedy(
     """
     if not available() or base.dtype != torch.float32 or base.device.type != "cpu":
         return None
-
-    def flat(t):
-        return t if t is None or t.is_contiguous() else t.contiguous()
-
-    gw, gb = (None, None) if gate is None else (flat(gate[0].float()), flat(gate[1].float()))
-    cw, cb = (None, 0.0) if conf is None else (flat(conf[0].float()), float(conf[1]))
+    w1, w2, gw, gb, cw, cb = markov_head_args(w1, w2, gate, conf)
     return torch.ops.edgebuild_f32.markov_greedy(
-        base, anchors, counts, int(k), token_map, *map(flat, (w1, w2)), gw, gb, flat(h), cw, cb
+        base, anchors, counts, int(k), token_map, w1, w2, gw, gb, _flat(h), cw, cb
     )
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def markov_head_args(
+    w1: torch.Tensor | None,
+    w2: torch.Tensor | None,
+    gate: tuple[torch.Tensor, torch.Tensor] | None,
+    conf: tuple[torch.Tensor, float] | None,
+) -> tuple:
+    """The head arguments of ``edgebuild_f32::markov_greedy`` as :func:`markov_greedy` passes
+    them (also bound once by :meth:`edgebuild.models.dspark.DSparkDraft.draft_pass`'s
+    arguments): ``(w1, w2, gate_w, gate_b, conf_w, conf_b)``, the tensors contiguous, the gate
+    and confidence weights fp32, ``conf_b`` a float (0.0 without a confidence head). Inputs
+    as :func:`markov_greedy`'s."""
+    gw, gb = (None, None) if gate is None else (_flat(gate[0].float()), _flat(gate[1].float()))
+    cw, cb = (None, 0.0) if conf is None else (_flat(conf[0].float()), float(conf[1]))
+    return _flat(w1), _flat(w2), gw, gb, cw, cb
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

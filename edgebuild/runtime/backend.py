@@ -194,7 +194,8 @@ class DraftBackend(Protocol):
     A backend class may also define ``propose_after_context(ctx_seqs, features, *propose's
     arguments)``: :meth:`update_context` then :meth:`propose` in one go, with the same cache
     and proposals (:meth:`edgebuild.runtime.dspark_backend.TorchDraft.propose_after_context`);
-    the DSpark decoder then calls it instead of the two.
+    :func:`propose_after_context` (the DSpark decoder's and the step-cost profile's way in)
+    calls it then instead of the two.
 
     Attributes:
         block_size: B, rows of one draft block (anchor + B-1 masks); at most B drafts a step.
@@ -254,3 +255,22 @@ class DraftBackend(Protocol):
     def free(self, seq: Sequence) -> None:
         """Return every page of ``seq``'s context cache (idempotent)."""
         ...
+
+
+def propose_after_context(
+    draft: DraftBackend,
+    ctx_seqs: list[Sequence],
+    features: list[torch.Tensor],
+    *propose_args,
+    **propose_kwargs,
+) -> list[Proposal]:
+    """``draft.update_context(ctx_seqs, features)`` (skipped without sequences), then
+    ``draft.propose(*propose_args, **propose_kwargs)``; in one call where the backend's class
+    defines ``propose_after_context`` (:class:`DraftBackend`). The class, not the instance, is
+    asked: a wrapper that forwards attributes to a backend (a test's rigged draft) keeps its
+    own ``propose``. Returns :meth:`DraftBackend.propose`'s proposals; raises what it raises."""
+    if hasattr(type(draft), "propose_after_context"):
+        return draft.propose_after_context(ctx_seqs, features, *propose_args, **propose_kwargs)
+    if ctx_seqs:
+        draft.update_context(ctx_seqs, features)
+    return draft.propose(*propose_args, **propose_kwargs)

@@ -36,7 +36,13 @@ from dataclasses import dataclass, field
 import torch
 
 from edgebuild.ops import f32_linear
-from edgebuild.runtime.backend import DraftBackend, MultimodalPrefill, Proposal, TargetBackend
+from edgebuild.runtime.backend import (
+    DraftBackend,
+    MultimodalPrefill,
+    Proposal,
+    TargetBackend,
+    propose_after_context,
+)
 from edgebuild.runtime.kv_cache import Sequence, block_hashes
 from edgebuild.runtime.metrics import RequestMetrics
 from edgebuild.runtime.prefill import PrefillConfig, PrefillStats
@@ -587,41 +593,26 @@ class DSparkDecoder(TargetOnlyDecoder):
         """
         t0 = time.perf_counter()
         need = [s for s in live if s.pending_features is not None and len(s.pending_features)]
-        # a backend whose class takes the update with the block pass (TorchDraft: one C++
-        # call); not through a wrapper's attribute lookup, which would skip its own propose
-        fused = (
-            self.draft.propose_after_context
-            if hasattr(type(self.draft), "propose_after_context")
-            else None
-        )
-        if need and fused is None:
-            self.draft.update_context(
-                [s.draft_seq for s in need], [s.pending_features for s in need]
-            )
-            for s in need:
-                s.pending_features = s.pending_buffer = None
+        ctx = [s.draft_seq for s in need], [s.pending_features for s in need]
+        for s in need:  # handed over (not kept for a retry: an error fails the batch, and a
+            s.pending_features = s.pending_buffer = None  # retry could add them twice)
         # Budget: a step commits n+1 tokens at most, so never draft past the remaining budget.
         if counts is None:
             counts = [max(0, min(self.n, s.remaining - 1)) for s in live]
         # the drafts of a request with a grammar are drawn under its mask (runtime/structured.py)
         masks = [None if s.grammar is None else s.grammar.draft_mask() for s in live]
         kw = {"constraints": masks} if any(m is not None for m in masks) else {}
-        args = (
-            [s.draft_seq for s in live],
-            [s.anchor for s in live],
-            counts,
-            [s.params for s in live],
-            [s.generator for s in live],
-        )
-        try:
-            if fused is None:
-                proposals = self.draft.propose(*args, **kw)
-            else:  # the pending rows are handed over (not kept for a retry: an error fails
-                # the batch, and a retry after a partial update would add them twice)
-                ctx = [s.draft_seq for s in need], [s.pending_features for s in need]
-                for s in need:
-                    s.pending_features = s.pending_buffer = None
-                proposals = fused(*ctx, *args, **kw)
+        try:  # the context update and the draft pass (one call where the backend has it)
+            proposals = propose_after_context(
+                self.draft,
+                *ctx,
+                [s.draft_seq for s in live],
+                [s.anchor for s in live],
+                counts,
+                [s.params for s in live],
+                [s.generator for s in live],
+                **kw,
+            )
         finally:
             for m in masks:
                 if m is not None:

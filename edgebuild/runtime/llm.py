@@ -218,6 +218,7 @@ class LLM:
         Raises:
             ConfigError: no draft is loaded.
         """
+        from edgebuild.runtime.backend import propose_after_context
         from edgebuild.runtime.kv_cache import RingSequence
         from edgebuild.runtime.spec_schedule import (
             ConfidenceScheduler,
@@ -264,12 +265,10 @@ class LLM:
                 ds = dseqs[:b]
                 lengths = [d.length for d in ds]
                 gens = [torch.Generator() for _ in range(b)]
-                args = (ds, [anchor] * b, [drafted] * b, [params] * b, gens)
-                if hasattr(type(self.draft), "propose_after_context"):  # as the decoder does
-                    self.draft.propose_after_context(ds, [context_rows] * b, *args)
-                else:
-                    self.draft.update_context(ds, [context_rows] * b)
-                    self.draft.propose(*args)
+                propose_after_context(  # as the decoder's step does
+                    self.draft, ds, [context_rows] * b, ds, [anchor] * b, [drafted] * b,
+                    [params] * b, gens,
+                )  # fmt: skip
                 for d, n in zip(ds, lengths, strict=True):
                     if not isinstance(d, RingSequence):  # a ring keeps a fixed set of pages
                         self.draft.allocator.truncate(d, n)

@@ -674,7 +674,6 @@ void context_layers(const at::Tensor& c, at::TensorList caches, at::TensorList w
   }
 }
 
-
 // torch's intra-op threads (which edgebuild's kernel pool sizes itself from) set to 1 while
 // alive, when `on` (edgebuild.runtime.threads.one_thread's rule, inside one call).
 struct OneThread {
@@ -699,8 +698,8 @@ using MarkovOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
 
 // Rows `pos` [N] of the RoPE table (fp32 [max_position, rotary_dim]) as the step's cos and sin,
 // fp32 [N, rotary_dim / 2] each: attention_fast._rope_rows' values (copies of the table's).
-std::pair<at::Tensor, at::Tensor> rope_rows(const at::Tensor& rope, const std::vector<int64_t>& pos,
-                                            const char* op) {
+std::pair<at::Tensor, at::Tensor> rope_rows(const at::Tensor& rope,
+                                            const std::vector<int64_t>& pos, const char* op) {
   const int64_t half = rope.size(1) / 2;
   for (int64_t p : pos)
     TORCH_CHECK(p >= 0 && p < rope.size(0), op, ": position ", p, " is outside the RoPE table (",
@@ -727,8 +726,9 @@ std::pair<at::Tensor, at::Tensor> rope_rows(const at::Tensor& rope, const std::v
 // features fp32 [C, M, F]: the new rows of the C sequences with ctx_len[b] > 0, in batch order
 // (padding rows past ctx_len[b] are projected, never written), or none; sequence b's ctx_len[b]
 // new rows sit at cache slots past[b] .. (pages: table [B, pages], int64, its pages already
-// reserved); its block at positions past[b] + ctx_len[b] + 0 .. S - 1 attends every cached row. ctx_one_thread: the update's linears and writes on one thread (the runtime's
-// rule for a short update, dspark_backend.ONE_THREAD_ROWS), the block at the caller's threads.
+// reserved); its block at positions past[b] + ctx_len[b] + 0 .. S - 1 attends every cached row.
+// ctx_one_thread: the update's linears and writes on one thread (the runtime's rule for a short
+// update, dspark_backend.ONE_THREAD_ROWS), the block at the caller's threads.
 std::vector<at::Tensor> draft_pass(
     const c10::optional<at::Tensor>& features, at::IntArrayRef ctx_len, int64_t fc_kind,
     const at::Tensor& fc_w, const at::Tensor& fc_sl, const c10::optional<at::Tensor>& fc_bias,
@@ -824,7 +824,8 @@ std::vector<at::Tensor> draft_pass(
     }
   }
   for (int64_t id : ids)
-    TORCH_CHECK(id >= 0 && id < embed.size(0), op, ": token id ", id, " is outside the embedding");
+    TORCH_CHECK(id >= 0 && id < embed.size(0), op, ": token id ", id,
+                " is outside the embedding");
   const at::Tensor x = embed.index_select(0, at::tensor(ids, lopt)).view({B, S, embed.size(1)});
   auto [cos, sin] = rope_rows(rope, pos, op);
   auto mask = at::zeros({B * S, width}, at::TensorOptions().dtype(at::kBool));
@@ -834,8 +835,8 @@ std::vector<at::Tensor> draft_pass(
   const at::Tensor zero = at::zeros({B * S}, lopt);  // a block writes nothing: no slots
   const std::vector<at::Tensor> outs = decoder_layers(
       x, caches, w, sl, bias, n, kind, norm, eps, qk_norm, qk_eps, cos.view({B, S, half}),
-      sin.view({B, S, half}), at::tensor(wb, lopt), at::tensor(wi, lopt), zero, zero, table, mask,
-      hq, hkv, scale, {}, at::ones({B * S, S}, at::TensorOptions().dtype(at::kBool)),
+      sin.view({B, S, half}), at::tensor(wb, lopt), at::tensor(wi, lopt), zero, zero, table,
+      mask, hq, hkv, scale, {}, at::ones({B * S, S}, at::TensorOptions().dtype(at::kBool)),
       last_rows > 0 && last_rows < S ? last_rows : 0);
   // 3. the final norm as edgebuild.ops.norm.rms_norm's torch ops (the same bits)
   const at::Tensor& y = outs[0];
