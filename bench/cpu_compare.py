@@ -30,7 +30,11 @@ Rounds are interleaved: for each prompt every engine runs once, so a change of m
 hits all of them alike. Decode tokens/s excludes the prefill (tokens after the first / time after
 the first). Also measured for each edgebuild configuration: the step-cost table (median of
 ``--step-repeats`` 1-row decode steps, 8-row verify passes and draft proposals at a 64-token
-context), tau, and whether DSpark's output equals target-only's on every prompt. Writes
+context), tau, and whether DSpark's output equals target-only's on every prompt. tau is
+pooled over every target pass of the run (tokens committed / target passes, the metrics'
+definition: the mean over steps), so ``speedup / tau`` compares the same tokens' time and
+passes; the per-prompt taus are kept too (their plain mean weighs a prompt's few high-tau
+passes like another's many low-tau ones and reads high). Writes
 ``bench/results/cpu_compare.json`` and ``cpu_compare.png``. Not run in CI.
 
     python bench/cpu_compare.py [--prompts 8 --max-tokens 128 --threads 1 2]
@@ -65,7 +69,8 @@ def eval_prompts(n: int) -> list[str]:
 
 
 class Engine:
-    """One engine setting: ``run(ids) -> (tokens, decode seconds, tau or None)``."""
+    """One engine setting: ``run(ids) -> (tokens, decode seconds, (committed tokens, target
+    passes) or None)`` (DSpark engines give the pair; tau = committed / passes)."""
 
     name: str
     threads: int
@@ -120,7 +125,7 @@ class Edgebuild(Engine):
             self.llm._schedule_pending, self.llm.decoder.scheduler = False, None
         st = self.llm.generate_ids([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0]
         m = st.metrics
-        return st.output_ids, m.decode_s, (m.tau if self.dspark else None)
+        return st.output_ids, m.decode_s, ((m.committed, m.steps) if self.dspark else None)
 
     def step_costs(self, prompt_ids, repeats: int) -> dict:
         """Median ms of a 1-row decode, an 8-row verify and (DSpark) a 7-token proposal."""
@@ -227,7 +232,7 @@ class OrtBackend(Engine):
         torch.set_num_threads(self.threads)
         st = self.llm.generate_ids([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0]
         m = st.metrics
-        return st.output_ids, m.decode_s, (m.tau if self.dspark else None)
+        return st.output_ids, m.decode_s, ((m.committed, m.steps) if self.dspark else None)
 
 
 def ortgenai_worker():
@@ -425,18 +430,18 @@ def main() -> None:
     skipped: dict[str, str] = {}
     engines = make_engines(args, skipped)
     t0 = time.perf_counter()
-    per = {e.name: {"tokens": 0, "seconds": 0.0, "taus": [], "outputs": []} for e in engines}
+    per = {e.name: {"tokens": 0, "seconds": 0.0, "passes": [], "outputs": []} for e in engines}
     for e in engines:  # warm-up
         e.run(ids[0][:16], 4)
     for i, p in enumerate(ids):  # interleaved rounds
         for e in engines:
-            toks, secs, tau = e.run(p, args.max_tokens)
+            toks, secs, passes = e.run(p, args.max_tokens)
             r = per[e.name]
             r["tokens"] += len(toks) - 1
             r["seconds"] += secs
             r["outputs"].append(toks)
-            if tau is not None:
-                r["taus"].append(tau)
+            if passes is not None:
+                r["passes"].append(passes)
         print(f"round {i + 1}/{len(ids)} done", flush=True)
     for e in engines:
         if isinstance(e, OrtGenaiProc):
@@ -445,8 +450,9 @@ def main() -> None:
     for e in engines:
         r = per[e.name]
         row = {"decode_tokens_per_s": round(r["tokens"] / r["seconds"], 2), "threads": e.threads}
-        if r["taus"]:
-            row["tau"] = round(statistics.mean(r["taus"]), 3)
+        if r["passes"]:  # pooled: all committed tokens over all target passes
+            row["tau"] = round(sum(c for c, _ in r["passes"]) / sum(n for _, n in r["passes"]), 3)
+            row["tau_per_prompt"] = [round(c / n, 3) for c, n in r["passes"]]
         results[e.name] = row
     for e in engines:  # exactness and speedup of each DSpark row against its target-only twin
         if getattr(e, "dspark", False):
