@@ -417,21 +417,22 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
 // fp32 steps above are per row, in a fixed order), and threads split the output blocks: a
 // row's bits depend neither on the other rows of the call nor on the thread count.
 
-// Software prefetch distance in code bytes (the scales at half of it), by CPU vendor.
-// SmolLM2's ~100 MB of int4 weights per token stream from DRAM. On the Intel host where it was
-// tuned (one interleaved run, busy 2-core host, medians of 15 tokens, half-block passes over a
-// half-major layout): 1 row 15.7 ms without, 14.9 / 14.4 / 14.0 ms at 512 / 1024 / 2048; 8 rows
-// 40.0 without, 41.5 at 1024 (compute-bound there); with the group-major layout (medians of
-// 9, 1 row) 1024 B on a par with the old kernel, 2048 / 4096 B 5-10% slower. On AMD Zen 4
-// (2026-12-06, bench/int4_a8_linears.py, 1 thread, minima of 15 tokens over three
-// alternations) 1024 B ahead cost 10-15%: 1 row 7.3-7.6 ms at 1024 against 6.4-6.7 at 128 and
-// 6.6-6.9 without; 3 rows 8.2 against 7.3-7.6 / 7.6-8.0; 4-16 KB ahead to L2 slower still
-// (1 row 7.4-8.1, 3 rows 9.2-10.1); in situ a SmolLM2 int4 decode step 6.8 -> 6.4 and
-// 7.8 -> 7.3 ms (1 thread), 6.4 -> 4.8 and 5.9 -> 5.4 ms (2). Prefetching changes no
-// arithmetic: the bits are the same either way.
+// Software prefetch distance in code bytes (the scales at half of it), by CPU. SmolLM2's ~100
+// MB of int4 weights per token stream from DRAM. On an AMD Zen 3 without AVX-512, where it was
+// tuned (2026-12-04; one interleaved run, busy 2-core host, medians of 15 tokens, half-block
+// passes over a half-major layout): 1 row 15.7 ms without, 14.9 / 14.4 / 14.0 ms at 512 /
+// 1024 / 2048; 8 rows 40.0 without, 41.5 at 1024 (compute-bound there); with the group-major
+// layout (medians of 9, 1 row) 1024 B on a par with the old kernel, 2048 / 4096 B 5-10%
+// slower. On an AMD Zen 4 with AVX-512 (2026-12-06, bench/int4_a8_linears.py, 1 thread,
+// minima of 15 tokens over three alternations) 1024 B ahead cost 10-15%: 1 row 7.3-7.6 ms at
+// 1024 against 6.4-6.7 at 128 and 6.6-6.9 without; 3 rows 8.2 against 7.3-7.6 / 7.6-8.0;
+// 4-16 KB ahead slower still (1 row 7.4-8.1, 3 rows 9.2-10.1); in situ a SmolLM2 int4 decode
+// step 6.8 -> 6.4 and 7.8 -> 7.3 ms (1 thread), 6.4 -> 4.8 and 5.9 -> 5.4 ms (2). So 128 B
+// where AVX-512 is (GCC 12 cannot name Zen 4; no other AVX-512 CPU was measured), 1024
+// elsewhere. Prefetching changes no arithmetic: the bits are the same either way.
 const int kA8Prefetch = [] {
   __builtin_cpu_init();  // a static initializer may run before libgcc's own
-  return __builtin_cpu_is("amd") ? 128 : 1024;
+  return __builtin_cpu_supports("avx512f") ? 128 : 1024;
 }();
 constexpr int64_t kA8BlockBytes = kBlock * kGroup / 2;  // code bytes per block and group: 256
 
