@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from edgebuild.errors import MissingDependencyError
-from edgebuild.ops import amx_linear, f32_linear
+from edgebuild.ops import amx_linear, cpu_build, f32_linear
 from edgebuild.ops import linear as linear_mod
 from edgebuild.ops.linear import PackedLinear
 
@@ -570,14 +570,31 @@ def test_int4_a8_pack_layout_holds_every_code_scale_and_lo():
                 assert s == 0.0 and lo == 0.0
 
 
+_VNNI = {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_build.cpu_flags()
+# the W4A8 kernel's two group loops: AVX2 (vpmaddubsw) everywhere, AVX-512 VNNI (vpdpbusd) where
+# the CPU has it (the default there); EDGEBUILD_A8_VNNI=0 forces the AVX2 loop
+A8_LOOPS = [
+    pytest.param("0", id="avx2"),
+    pytest.param(
+        "1",
+        id="vnni",
+        marks=pytest.mark.skipif(not _VNNI, reason="the CPU lacks avx512_vnni / bw / vl"),
+    ),
+]
+
+
 @needs_kernel
 @pytest.mark.parametrize(
     "n,k", [(20, 64), (24, 64), (37, 96), (960, 576), (576, 1536), (3000, 576)]
 )
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_int4_a8_kernel_equals_the_fp64_oracle_and_is_row_invariant(n, k, with_bias):
+@pytest.mark.parametrize("loop", A8_LOOPS)
+def test_int4_a8_kernel_equals_the_fp64_oracle_and_is_row_invariant(
+    n, k, with_bias, loop, monkeypatch
+):
     from edgebuild.ops.linear import quantize_int4
 
+    monkeypatch.setenv("EDGEBUILD_A8_VNNI", loop)
     assert f32_linear.available()
     g = torch.Generator().manual_seed(9)
     codes, sz = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
@@ -628,9 +645,11 @@ def test_int4_a8_is_within_the_activation_rounding_of_the_fp32_input_kernel(n, k
 
 
 @needs_kernel
-def test_int4_a8_two_threads_give_the_same_bits():
+@pytest.mark.parametrize("loop", A8_LOOPS)
+def test_int4_a8_two_threads_give_the_same_bits(loop, monkeypatch):
     from edgebuild.ops.linear import quantize_int4
 
+    monkeypatch.setenv("EDGEBUILD_A8_VNNI", loop)
     assert f32_linear.available()
     g = torch.Generator().manual_seed(11)
     codes, sz = quantize_int4(torch.randn(1000, 576, generator=g))
@@ -699,3 +718,46 @@ def test_packed_linear_int4_takes_int8_inputs_unless_switched_to_fp32(monkeypatc
         monkeypatch.delenv(f32_linear.ACT_ENV)
         f32_linear._reset()
     assert f32_linear.int4_activations() == f32_linear.DEFAULT_INT4_ACTIVATIONS
+
+
+@needs_kernel
+@pytest.mark.skipif(not _VNNI, reason="the CPU lacks avx512_vnni / bw / vl: one loop only")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_a8_vnni_loop_gives_the_avx2_loops_bits(threads, monkeypatch):
+    """Both group loops on the same calls (every row count 1..9, a NaN row, a zero row, rows
+    scaled 1e-3..1e2, bias, the fused norm / SwiGLU / residual): the same bits."""
+    from edgebuild.ops.linear import quantize_int4
+
+    g = torch.Generator().manual_seed(12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in [(16, 32), (40, 64), (960, 576), (576, 1536)]:
+            codes, sz = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
+            pc, sl = f32_linear.pack_int4_a8(codes, sz)
+            b = f32_linear.pack_bias(torch.randn(n, generator=g), pc)
+            norm = torch.rand(k, generator=g) + 0.5
+            for rows in range(1, 10):
+                x = torch.randn(rows, k, generator=g)
+                x = x * 10.0 ** torch.randint(-3, 3, (rows, 1), generator=g).float()
+                if rows >= 3:
+                    x[1] = 0.0
+                    x[2, 5] = float("nan")
+                res = torch.randn(rows, n, generator=g)
+                calls = [
+                    ((x, pc, sl, b, n), {}),
+                    ((x, pc, sl, None, n), {"norm_weight": norm, "eps": 1e-5, "residual": res}),
+                ]
+                if k % 64 == 0:  # SwiGLU: x holds gate | up, the weight takes k / 2 inputs
+                    codes2, sz2 = quantize_int4(torch.randn(n, k // 2, generator=g) * 0.05)
+                    calls.append(
+                        ((x, *f32_linear.pack_int4_a8(codes2, sz2), None, n), {"swiglu": True})
+                    )
+                for args, kw in calls:
+                    monkeypatch.setenv("EDGEBUILD_A8_VNNI", "0")
+                    avx2 = f32_linear.linear_int4(*args, int8_inputs=True, **kw)
+                    monkeypatch.setenv("EDGEBUILD_A8_VNNI", "1")
+                    vnni = f32_linear.linear_int4(*args, int8_inputs=True, **kw)
+                    assert torch.equal(avx2.view(torch.int32), vnni.view(torch.int32)), (n, k, rows)
+    finally:
+        torch.set_num_threads(before)

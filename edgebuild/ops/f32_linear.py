@@ -284,7 +284,10 @@ def linear_int4(
     * ``int8_inputs=True``: W packed by :func:`pack_int4_a8`; each row of the (normalized /
       SwiGLU'ed) input quantized to int8 per group of 32 in the kernel (``sx = max|x| / 127``,
       ``xq = round(x / sx)``; integer dot products, as llama.cpp's Q4_1 x Q8_1 and
-      onnxruntime's MatMulNBits at accuracy_level 4): the result equals within fp32 rounding
+      onnxruntime's MatMulNBits at accuracy_level 4; AVX-512 VNNI ``vpdpbusd`` where the CPU
+      has avx512_vnni / bw / vl, else AVX2 ``vpmaddubsw``: the same integer sums and fp32
+      steps, so the same bits; ``EDGEBUILD_A8_VNNI=0`` forces the AVX2 loop, read at each
+      call): the result equals within fp32 rounding
       ``sum_g sx_g * sum_k (code * scale + lo) * xq`` (+ bias).
 
     Row-invariant like :func:`linear`. Call only when :func:`available` is True.

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -592,10 +593,91 @@ __attribute__((target("avx2,fma"))) inline void a8_block_groups(const A8Rows& a,
   }
 }
 
+// The same MR rows x one block over groups g0..g1-1 with AVX-512 VNNI (`vpdpbusd`), where the CPU
+// has avx512_vnni and avx512bw: one zmm holds the block's 16 outputs (half 0's 32 code bytes of a
+// step in its low half, half 1's in its high half), and each row sums a group in one int32
+// register with 2 `vpdpbusd` a step, where the AVX2 loop takes 4 `vpmaddubsw` + 4 `vpaddw` and a
+// `vpmaddwd` a group. The integer sums are exact either way (the AVX2 loop's int16 partial sums
+// stay below 2^15), and the fp32 steps after them are the same operations in the same order, so
+// the results are the AVX2 loop's bit for bit (tests/test_f32_linear.py compares the two).
+// 8 fp32 at p then 8 at q in one zmm (AVX512F: a 256-bit insert of the other's bits)
+__attribute__((target("avx512f"))) inline __m512 join8(const float* p, const float* q) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(p))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(q)), 1));
+}
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) inline void a8_block_groups_vnni(
+    const A8Rows& a, int64_t m0, const uint8_t* cb, const float* sb, int64_t g0, int64_t g1,
+    float* tot, bool prefetch) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 tr[MR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) tr[m] = _mm512_loadu_ps(tot + m * kBlock);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* cg = cb + g * kA8BlockBytes;
+    const float* sg = sb + g * 2 * kBlock;
+    if (prefetch) {
+      const char* pc = reinterpret_cast<const char*>(cg) + kA8Prefetch;
+      _mm_prefetch(pc, _MM_HINT_T0);
+      _mm_prefetch(pc + 64, _MM_HINT_T0);
+      _mm_prefetch(pc + 128, _MM_HINT_T0);
+      _mm_prefetch(pc + 192, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sg) + kA8Prefetch / 2, _MM_HINT_T0);
+    }
+    const int8_t* xg = a.xq + (g * a.rows + m0) * kGroup;  // row m: xg + 32 m
+    __m512i acc[MR];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const __m512i v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + s * 32))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 128 + s * 32)), 1);
+      const __m512i c0 = _mm512_and_si512(v, low);  // k = 8 s + 0..3 of outputs 0-15
+      const __m512i c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // k = 8 s + 4..7
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xs = xg + m * kGroup + 8 * s;
+        int32_t x0, x1;
+        std::memcpy(&x0, xs, 4);
+        std::memcpy(&x1, xs + 4, 4);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], c0, _mm512_set1_epi32(x0));
+        acc[m] = _mm512_dpbusd_epi32(acc[m], c1, _mm512_set1_epi32(x1));
+      }
+    }
+    const __m512 sc = join8(sg, sg + 16), lo = join8(sg + 8, sg + 24);  // outputs 0-7 | 8-15
+    const float* sx = a.sx + g * a.rows + m0;
+    const float* ms = a.ms + g * a.rows + m0;
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m512 sxm = _mm512_set1_ps(sx[m]), msm = _mm512_set1_ps(ms[m]);
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(sc, sxm),
+                                       _mm512_mul_ps(lo, msm));
+      tr[m] = _mm512_add_ps(tr[m], t);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(tot + m * kBlock, tr[m]);
+}
+
 using A8Groups = void (*)(const A8Rows&, int64_t, const uint8_t*, const float*, int64_t, int64_t,
                           float*, bool);
 constexpr A8Groups kA8Groups[4] = {a8_block_groups<1>, a8_block_groups<2>, a8_block_groups<3>,
                                    a8_block_groups<4>};
+constexpr A8Groups kA8GroupsVnni[4] = {a8_block_groups_vnni<1>, a8_block_groups_vnni<2>,
+                                       a8_block_groups_vnni<3>, a8_block_groups_vnni<4>};
+// The VNNI loop where the CPU has it, unless EDGEBUILD_A8_VNNI=0 (read at each call: the tests
+// run both loops in one process).
+inline const A8Groups* a8_groups() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  const char* env = std::getenv("EDGEBUILD_A8_VNNI");
+  return has && !(env && env[0] == '0') ? kA8GroupsVnni : kA8Groups;
+}
 constexpr int kA8Rows = 4;  // rows per chunk
 
 // rows x one block of 16 outputs: chunks of up to 4 rows over all groups (each row's sequence
@@ -603,11 +685,11 @@ constexpr int kA8Rows = 4;  // rows per chunk
 // prefetches). tot: [rows, 16] fp32 scratch, 32-byte aligned.
 __attribute__((target("avx2,fma"))) inline void a8_block_all_rows(
     const A8Rows& a, const uint8_t* cb, const float* sb, const float* bias, float* y,
-    int64_t ldy, int64_t n_out, float* tot) {
+    int64_t ldy, int64_t n_out, float* tot, const A8Groups* groups) {
   for (int64_t i = 0; i < a.rows * kBlock; i += 8) _mm256_store_ps(tot + i, _mm256_setzero_ps());
   for (int64_t m = 0; m < a.rows; m += kA8Rows) {
     const int64_t mr = std::min<int64_t>(kA8Rows, a.rows - m);
-    kA8Groups[mr - 1](a, m, cb, sb, 0, a.G, tot + m * kBlock, m == 0);
+    groups[mr - 1](a, m, cb, sb, 0, a.G, tot + m * kBlock, m == 0);
   }
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -646,6 +728,7 @@ at::Tensor int4_a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = sl.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const A8Groups* groups = a8_groups();
   auto work = [&](int64_t b0, int64_t b1) {
     std::vector<float> scratch(rows * kBlock + 8);  // the rows' totals, 32-byte aligned
     float* tot = reinterpret_cast<float*>(
@@ -654,7 +737,7 @@ at::Tensor int4_a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const
       const float* bb = bp ? bp + blk * kBlock : nullptr;
       const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
       a8_block_all_rows(a, cp + blk * G * kA8BlockBytes, sp + blk * G * 2 * kBlock, bb,
-                        yp + blk * kBlock, n, n_out, tot);
+                        yp + blk * kBlock, n, n_out, tot, groups);
     }
   };
   eb_pool::parallel_for(NB, 4, work);
