@@ -489,6 +489,16 @@ __attribute__((target("avx2,fma"))) void a8_quantize_rows(const float* x, int64_
   }
 }
 
+// A group's code bytes and scales kA8Prefetch ahead (both group loops)
+inline void a8_prefetch(const uint8_t* cg, const float* sg) {
+  const char* pc = reinterpret_cast<const char*>(cg) + kA8Prefetch;
+  _mm_prefetch(pc, _MM_HINT_T0);
+  _mm_prefetch(pc + 64, _MM_HINT_T0);
+  _mm_prefetch(pc + 128, _MM_HINT_T0);
+  _mm_prefetch(pc + 192, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sg) + kA8Prefetch / 2, _MM_HINT_T0);
+}
+
 // The int8 activations of all rows (a8_quantize_rows' output).
 struct A8Rows {
   const int8_t* xq;  // [G, rows, 32]
@@ -530,14 +540,7 @@ __attribute__((target("avx2,fma"))) inline void a8_block_groups(const A8Rows& a,
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* cg = cb + g * kA8BlockBytes;
     const float* sg = sb + g * 2 * kBlock;
-    if (prefetch) {
-      const char* pc = reinterpret_cast<const char*>(cg) + kA8Prefetch;
-      _mm_prefetch(pc, _MM_HINT_T0);
-      _mm_prefetch(pc + 64, _MM_HINT_T0);
-      _mm_prefetch(pc + 128, _MM_HINT_T0);
-      _mm_prefetch(pc + 192, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(sg) + kA8Prefetch / 2, _MM_HINT_T0);
-    }
+    if (prefetch) a8_prefetch(cg, sg);
     const int8_t* xg = a.xq + (g * a.rows + m0) * kGroup;  // row m: xg + 32 m
     __m256i acc0[MR], acc1[MR];
 #pragma GCC unroll 4
@@ -617,14 +620,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) inline void 
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* cg = cb + g * kA8BlockBytes;
     const float* sg = sb + g * 2 * kBlock;
-    if (prefetch) {
-      const char* pc = reinterpret_cast<const char*>(cg) + kA8Prefetch;
-      _mm_prefetch(pc, _MM_HINT_T0);
-      _mm_prefetch(pc + 64, _MM_HINT_T0);
-      _mm_prefetch(pc + 128, _MM_HINT_T0);
-      _mm_prefetch(pc + 192, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(sg) + kA8Prefetch / 2, _MM_HINT_T0);
-    }
+    if (prefetch) a8_prefetch(cg, sg);
     const int8_t* xg = a.xq + (g * a.rows + m0) * kGroup;  // row m: xg + 32 m
     __m512i acc[MR];
 #pragma GCC unroll 4
