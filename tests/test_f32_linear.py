@@ -572,15 +572,28 @@ def test_int4_a8_pack_layout_holds_every_code_scale_and_lo():
 
 _VNNI = {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_build.cpu_flags()
 # the W4A8 kernel's two group loops: AVX2 (vpmaddubsw) everywhere, AVX-512 VNNI (vpdpbusd) where
-# the CPU has it (the default there); EDGEBUILD_A8_VNNI=0 forces the AVX2 loop
+# the CPU has it (the default there); f32_linear.a8_vnni switches
 A8_LOOPS = [
-    pytest.param("0", id="avx2"),
+    pytest.param(False, id="avx2"),
     pytest.param(
-        "1",
+        True,
         id="vnni",
         marks=pytest.mark.skipif(not _VNNI, reason="the CPU lacks avx512_vnni / bw / vl"),
     ),
 ]
+
+
+@pytest.fixture
+def a8_loop():
+    """Set the W4A8 group loop for a test (f32_linear.a8_vnni) and restore it after."""
+    before = f32_linear.a8_vnni() if f32_linear.available() else None
+
+    def use(vnni: bool) -> None:
+        assert f32_linear.a8_vnni(vnni) is vnni
+
+    yield use
+    if before is not None:
+        f32_linear.a8_vnni(before)
 
 
 @needs_kernel
@@ -589,13 +602,11 @@ A8_LOOPS = [
 )
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("loop", A8_LOOPS)
-def test_int4_a8_kernel_equals_the_fp64_oracle_and_is_row_invariant(
-    n, k, with_bias, loop, monkeypatch
-):
+def test_int4_a8_kernel_equals_the_fp64_oracle_and_is_row_invariant(n, k, with_bias, loop, a8_loop):
     from edgebuild.ops.linear import quantize_int4
 
-    monkeypatch.setenv("EDGEBUILD_A8_VNNI", loop)
     assert f32_linear.available()
+    a8_loop(loop)
     g = torch.Generator().manual_seed(9)
     codes, sz = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
     bias = torch.randn(n, generator=g) if with_bias else None
@@ -646,11 +657,11 @@ def test_int4_a8_is_within_the_activation_rounding_of_the_fp32_input_kernel(n, k
 
 @needs_kernel
 @pytest.mark.parametrize("loop", A8_LOOPS)
-def test_int4_a8_two_threads_give_the_same_bits(loop, monkeypatch):
+def test_int4_a8_two_threads_give_the_same_bits(loop, a8_loop):
     from edgebuild.ops.linear import quantize_int4
 
-    monkeypatch.setenv("EDGEBUILD_A8_VNNI", loop)
     assert f32_linear.available()
+    a8_loop(loop)
     g = torch.Generator().manual_seed(11)
     codes, sz = quantize_int4(torch.randn(1000, 576, generator=g))
     pc, sl = f32_linear.pack_int4_a8(codes, sz)
@@ -723,7 +734,7 @@ def test_packed_linear_int4_takes_int8_inputs_unless_switched_to_fp32(monkeypatc
 @needs_kernel
 @pytest.mark.skipif(not _VNNI, reason="the CPU lacks avx512_vnni / bw / vl: one loop only")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_int4_a8_vnni_loop_gives_the_avx2_loops_bits(threads, monkeypatch):
+def test_int4_a8_vnni_loop_gives_the_avx2_loops_bits(threads, a8_loop):
     """Both group loops on the same calls (every row count 1..9, a NaN row, a zero row, rows
     scaled 1e-3..1e2, bias, the fused norm / SwiGLU / residual): the same bits."""
     from edgebuild.ops.linear import quantize_int4
@@ -754,10 +765,34 @@ def test_int4_a8_vnni_loop_gives_the_avx2_loops_bits(threads, monkeypatch):
                         ((x, *f32_linear.pack_int4_a8(codes2, sz2), None, n), {"swiglu": True})
                     )
                 for args, kw in calls:
-                    monkeypatch.setenv("EDGEBUILD_A8_VNNI", "0")
+                    a8_loop(False)
                     avx2 = f32_linear.linear_int4(*args, int8_inputs=True, **kw)
-                    monkeypatch.setenv("EDGEBUILD_A8_VNNI", "1")
+                    a8_loop(True)
                     vnni = f32_linear.linear_int4(*args, int8_inputs=True, **kw)
                     assert torch.equal(avx2.view(torch.int32), vnni.view(torch.int32)), (n, k, rows)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.skipif(not _VNNI, reason="the CPU lacks avx512_vnni / bw / vl: one loop only")
+def test_the_a8_loop_switch_reads_its_variable_once_and_refuses_bad_modes():
+    """EDGEBUILD_A8_VNNI=0 in a fresh process starts on the AVX2 loop, unset on VNNI; the op
+    refuses a mode outside -1..1 by name."""
+    import subprocess
+    import sys
+
+    code = "from edgebuild.ops import f32_linear as f; f.available(); print(f.a8_vnni())"
+    got = {}
+    for value in ("0", None):
+        env = {k: v for k, v in os.environ.items() if k != "EDGEBUILD_A8_VNNI"}
+        if value is not None:
+            env["EDGEBUILD_A8_VNNI"] = value
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        got[value] = out.stdout.strip().splitlines()[-1]
+    assert got == {"0": "False", None: "True"}
+    assert f32_linear.available()
+    with pytest.raises(RuntimeError, match="a8_vnni: mode must be -1, 0 or 1"):
+        torch.ops.edgebuild_f32.a8_vnni(2)

@@ -286,8 +286,7 @@ def linear_int4(
       ``xq = round(x / sx)``; integer dot products, as llama.cpp's Q4_1 x Q8_1 and
       onnxruntime's MatMulNBits at accuracy_level 4; AVX-512 VNNI ``vpdpbusd`` where the CPU
       has avx512_vnni / bw / vl, else AVX2 ``vpmaddubsw``: the same integer sums and fp32
-      steps, so the same bits; ``EDGEBUILD_A8_VNNI=0`` forces the AVX2 loop, read at each
-      call): the result equals within fp32 rounding
+      steps, so the same bits; :func:`a8_vnni`): the result equals within fp32 rounding
       ``sum_g sx_g * sum_k (code * scale + lo) * xq`` (+ bias).
 
     Row-invariant like :func:`linear`. Call only when :func:`available` is True.
@@ -303,6 +302,18 @@ def linear_int4(
         else torch.ops.edgebuild_f32.int4_f32_linear
     )
     return op(x, codes, sl, bias, out_features, norm_weight, eps, swiglu, residual)
+
+
+def a8_vnni(on: bool | None = None) -> bool:
+    """Whether :func:`linear_int4` with ``int8_inputs=True`` (every W4A8 call, the C++ layer
+    steps' too) runs its AVX-512 VNNI group loop (``vpdpbusd`` on a block's 16 outputs in one
+    zmm) rather than the AVX2 one (``vpmaddubsw``): the same integer sums and fp32 steps, so
+    the same bits, a 4-row linear ~22% faster on Zen 4 (bench/README.md, 2026-12-06). The
+    default is the CPU's support (avx512_vnni, avx512bw, avx512vl) unless ``EDGEBUILD_A8_VNNI=0``
+    (read once, at the kernel's first W4A8 call). ``on`` True / False switches it for the
+    process (True only where the CPU has it); None only reads it. Call only when
+    :func:`available` is True."""
+    return bool(torch.ops.edgebuild_f32.a8_vnni(-1 if on is None else int(bool(on))))
 
 
 def pack_int4_a8(

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -425,12 +426,12 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
 // 1024 / 2048; 8 rows 40.0 without, 41.5 at 1024 (compute-bound there); with the group-major
 // layout (medians of 9, 1 row) 1024 B on a par with the old kernel, 2048 / 4096 B 5-10%
 // slower. On an AMD Zen 4 with AVX-512 (2026-12-06, bench/int4_a8_linears.py, 1 thread,
-// minima of 15 tokens over three alternations) 1024 B ahead cost 10-15%: 1 row 7.3-7.6 ms at
-// 1024 against 6.4-6.7 at 128 and 6.6-6.9 without; 3 rows 8.2 against 7.3-7.6 / 7.6-8.0;
-// 4-16 KB ahead slower still (1 row 7.4-8.1, 3 rows 9.2-10.1); in situ a SmolLM2 int4 decode
-// step 6.8 -> 6.4 and 7.8 -> 7.3 ms (1 thread), 6.4 -> 4.8 and 5.9 -> 5.4 ms (2). So 128 B
-// where AVX-512 is (GCC 12 cannot name Zen 4; no other AVX-512 CPU was measured), 1024
-// elsewhere. Prefetching changes no arithmetic: the bits are the same either way.
+// minima of 15 tokens, 3-5 alternations; bench/README.md) 1024 B ahead cost 10-15%: 1 row
+// 7.0-8.0 ms at 1024 against 6.4-6.7 at 128 and 6.6-6.9 without; 3 rows 7.8-8.3 against
+// 7.3-7.6 / 7.6-8.0; 4-16 KB ahead slower still (1 row 7.4-10.5, 3 rows 8.0-11.7); in situ
+// a SmolLM2 int4 decode step 6.8 -> 6.4 and 7.8 -> 7.3 ms (1 thread), 6.4 -> 4.8 and 5.9 ->
+// 5.4 ms (2). So 128 B where AVX-512 is (GCC 12 cannot name Zen 4; no other AVX-512 CPU was
+// measured), 1024 elsewhere. Prefetching changes no arithmetic: the bits are the same.
 const int kA8Prefetch = [] {
   __builtin_cpu_init();  // a static initializer may run before libgcc's own
   return __builtin_cpu_supports("avx512f") ? 128 : 1024;
@@ -596,23 +597,25 @@ __attribute__((target("avx2,fma"))) inline void a8_block_groups(const A8Rows& a,
   }
 }
 
-// The same MR rows x one block over groups g0..g1-1 with AVX-512 VNNI (`vpdpbusd`), where the CPU
-// has avx512_vnni and avx512bw: one zmm holds the block's 16 outputs (half 0's 32 code bytes of a
-// step in its low half, half 1's in its high half), and each row sums a group in one int32
-// register with 2 `vpdpbusd` a step, where the AVX2 loop takes 4 `vpmaddubsw` + 4 `vpaddw` and a
-// `vpmaddwd` a group. The integer sums are exact either way (the AVX2 loop's int16 partial sums
-// stay below 2^15), and the fp32 steps after them are the same operations in the same order, so
-// the results are the AVX2 loop's bit for bit (tests/test_f32_linear.py compares the two).
 // 8 fp32 at p then 8 at q in one zmm (AVX512F: a 256-bit insert of the other's bits)
 __attribute__((target("avx512f"))) inline __m512 join8(const float* p, const float* q) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(p))),
-                                             _mm256_castps_pd(_mm256_loadu_ps(q)), 1));
+  const __m512d lo = _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(p)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(q)), 1));
 }
 
+// The same MR rows x one block over groups g0..g1-1 with AVX-512 VNNI (`vpdpbusd`), where the
+// CPU has avx512_vnni, avx512bw and avx512vl: one zmm holds the block's 16 outputs (half 0's 32
+// code bytes of a step in its low half, half 1's in its high half), and each row sums a group
+// in one int32 register with 2 `vpdpbusd` a step, where the AVX2 loop takes 4 `vpmaddubsw` +
+// 4 `vpaddw` and a `vpmaddwd` a group. The integer sums are exact either way (the AVX2 loop's
+// int16 partial sums stay below 2^15), and the fp32 steps after them are the same operations
+// in the same order, so the results are the AVX2 loop's bit for bit (tests/test_f32_linear.py
+// compares the two). Zen 4, 1 thread: a 1536 x 576 linear from L2 at 1 / 4 / 8 rows 19.6 /
+// 39-40.5 / 70-71.5 -> 16.7 / 31.1 / 54.5 us (bench/README.md, 2026-12-06).
 template <int MR>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) inline void a8_block_groups_vnni(
-    const A8Rows& a, int64_t m0, const uint8_t* cb, const float* sb, int64_t g0, int64_t g1,
-    float* tot, bool prefetch) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) inline void
+a8_block_groups_vnni(const A8Rows& a, int64_t m0, const uint8_t* cb, const float* sb,
+                     int64_t g0, int64_t g1, float* tot, bool prefetch) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 tr[MR];
 #pragma GCC unroll 4
@@ -627,9 +630,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) inline void 
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {
-      const __m512i v = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + s * 32))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 128 + s * 32)), 1);
+      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + s * 32));
+      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 128 + s * 32));
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
       const __m512i c0 = _mm512_and_si512(v, low);  // k = 8 s + 0..3 of outputs 0-15
       const __m512i c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // k = 8 s + 4..7
 #pragma GCC unroll 4
@@ -663,16 +666,32 @@ constexpr A8Groups kA8Groups[4] = {a8_block_groups<1>, a8_block_groups<2>, a8_bl
                                    a8_block_groups<4>};
 constexpr A8Groups kA8GroupsVnni[4] = {a8_block_groups_vnni<1>, a8_block_groups_vnni<2>,
                                        a8_block_groups_vnni<3>, a8_block_groups_vnni<4>};
-// The VNNI loop where the CPU has it, unless EDGEBUILD_A8_VNNI=0 (read at each call: the tests
-// run both loops in one process).
-inline const A8Groups* a8_groups() {
+bool a8_vnni_supported() {
   static const bool has = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
   }();
-  const char* env = std::getenv("EDGEBUILD_A8_VNNI");
-  return has && !(env && env[0] == '0') ? kA8GroupsVnni : kA8Groups;
+  return has;
+}
+// Which group loop int4_a8_linear runs: VNNI where the CPU has it, unless EDGEBUILD_A8_VNNI=0
+// (read once, at the first call); a8_vnni(0 / 1) switches it (tests run both loops in one
+// process). One relaxed load a call.
+std::atomic<int> g_a8_vnni{-1};
+bool a8_vnni_on() {
+  int v = g_a8_vnni.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("EDGEBUILD_A8_VNNI");
+    v = a8_vnni_supported() && !(env && env[0] == '0');
+    g_a8_vnni.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+// mode 1 / 0: the VNNI loop on (where the CPU has it) / off; -1: unchanged. Returns whether on.
+bool a8_vnni(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "a8_vnni: mode must be -1, 0 or 1, got ", mode);
+  if (mode >= 0) g_a8_vnni.store(mode == 1 && a8_vnni_supported(), std::memory_order_relaxed);
+  return a8_vnni_on();
 }
 constexpr int kA8Rows = 4;  // rows per chunk
 
@@ -724,7 +743,7 @@ at::Tensor int4_a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = sl.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const A8Groups* groups = a8_groups();
+  const A8Groups* groups = a8_vnni_on() ? kA8GroupsVnni : kA8Groups;
   auto work = [&](int64_t b0, int64_t b1) {
     std::vector<float> scratch(rows * kBlock + 8);  // the rows' totals, 32-byte aligned
     float* tot = reinterpret_cast<float*>(
@@ -1057,6 +1076,7 @@ TORCH_LIBRARY(edgebuild_f32, m) {
       "Tensor? w1, Tensor? w2, Tensor? gate_w, Tensor? gate_b, Tensor? h, Tensor? conf_w, "
       "float conf_b) -> (Tensor, Tensor, Tensor)");
   m.def("f32_available() -> bool", &available);
+  m.def("a8_vnni(int mode=-1) -> bool", &a8_vnni);
 }
 TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
   m.impl("f32_linear", &f32_linear);
