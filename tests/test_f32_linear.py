@@ -25,6 +25,53 @@ needs_kernel = pytest.mark.skipif(
     reason=f"no fp32 kernel here: {'EDGEBUILD_FP32_KERNEL=torch' if _off else f32_linear._why_not()}",
 )
 
+_AVX512 = "avx512f" in cpu_build.cpu_flags()
+# the fp32 / bf16 weights' two loops: AVX2 (one FMA chain per output and chunk) everywhere,
+# AVX-512 (two chains: the chunk's even and odd k) where the CPU has it (the default there);
+# f32_linear.avx512 switches
+F32_LOOPS = [
+    pytest.param(False, id="avx2"),
+    pytest.param(
+        True, id="avx512", marks=pytest.mark.skipif(not _AVX512, reason="the CPU lacks avx512f")
+    ),
+]
+
+
+@pytest.fixture
+def f32_loop():
+    """Set the fp32 kernel's loop for a test (f32_linear.avx512) and restore it after."""
+    before = f32_linear.avx512() if f32_linear.available() else None
+
+    def use(avx512: bool) -> None:
+        assert f32_linear.avx512(avx512) is avx512
+
+    yield use
+    if before is not None:
+        f32_linear.avx512(before)
+
+
+def _f32_exact(x, w, bias, two_chains: bool) -> torch.Tensor:
+    """The fp32 kernel's documented arithmetic, step by step in fp64 with each fp32 rounding
+    done explicitly: per output, each chunk of 32 k is summed by FMAs in increasing k (one
+    chain; or, ``two_chains``, the chunk's even k and its odd k in two chains, added at the
+    chunk's end), the chunk's sum is added to the running total, then the bias. An FMA is
+    ``fp32(a + x w)`` (x w is exact in fp64; fp64's 53 bits round the sum first, which differs
+    from one rounding only at a tie, not met by these seeded inputs)."""
+    x, w = x.double(), w.double()
+    rows, k = x.shape
+    tot = torch.zeros(rows, w.shape[0], dtype=torch.float64)
+    f32 = lambda t: t.float().double()  # noqa: E731
+    for k0 in range(0, k, 32):
+        chains = [torch.zeros_like(tot), torch.zeros_like(tot)]
+        for kk in range(k0, min(k, k0 + 32)):
+            c = (kk - k0) % 2 if two_chains else 0
+            chains[c] = f32(chains[c] + x[:, kk : kk + 1] * w[:, kk])
+        chunk = f32(chains[0] + chains[1]) if two_chains else chains[0]
+        tot = f32(tot + chunk)
+    if bias is not None:
+        tot = f32(tot + bias.double())
+    return tot.float()
+
 
 def test_pack_layout_holds_every_weight_and_zero_padding():
     torch.manual_seed(0)
@@ -41,8 +88,10 @@ def test_pack_layout_holds_every_weight_and_zero_padding():
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(20, 64), (37, 33), (960, 576), (576, 1536), (3000, 576)])
-def test_kernel_equals_fp64_and_is_row_invariant(n, k):
+@pytest.mark.parametrize("loop", F32_LOOPS)
+def test_kernel_equals_fp64_and_is_row_invariant(n, k, loop, f32_loop):
     assert f32_linear.available()
+    f32_loop(loop)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g) * 0.05
     bias = torch.randn(n, generator=g)
@@ -65,11 +114,14 @@ def test_kernel_equals_fp64_and_is_row_invariant(n, k):
 
 
 @needs_kernel
-def test_chunked_sums_are_as_accurate_as_mkl():
+@pytest.mark.parametrize("loop", F32_LOOPS)
+def test_chunked_sums_are_as_accurate_as_mkl(loop, f32_loop):
     """Each chunk of 32 k is summed apart, then added to the total: rms error 6.4e-9 of
     sum |x w| at K = 1536 (MKL's sgemm 1.0e-8; one FMA chain over all of K was 2.8e-8, enough
-    to push a 30-layer NVFP4 model's logits out of the onnxruntime parity tolerance)."""
+    to push a 30-layer NVFP4 model's logits out of the onnxruntime parity tolerance); the
+    AVX-512 loop's two chains a chunk are no less accurate."""
     assert f32_linear.available()
+    f32_loop(loop)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(576, 1536, generator=g) * 0.05
     x = torch.randn(8, 1536, generator=g) + 0.5  # a mean: the partial sums grow
@@ -81,8 +133,58 @@ def test_chunked_sums_are_as_accurate_as_mkl():
 
 
 @needs_kernel
-def test_two_threads_give_the_same_bits():
+@pytest.mark.parametrize("storage", ["fp32", "auto"])
+@pytest.mark.parametrize("loop", F32_LOOPS)
+def test_each_loop_sums_in_its_documented_order(storage, loop, f32_loop):
+    """Every row count 1-13 (groups of 6 and remainders), K not a multiple of 32 nor of 2 (an
+    odd-length last chunk), the last block part-filled, bias or none, fp32 and bf16 storage:
+    the kernel's bits are those of its loop's arithmetic done step by step (_f32_exact)."""
     assert f32_linear.available()
+    f32_loop(loop)
+    g = torch.Generator().manual_seed(21)
+    for n, k in [(16, 32), (37, 33), (40, 95), (24, 64)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16().float()
+        p = f32_linear.pack(w, storage)
+        assert p.dtype == (torch.bfloat16 if storage == "auto" else torch.float32)
+        bias = torch.randn(n, generator=g)
+        x = torch.randn(13, k, generator=g) + 0.25
+        for b in (None, bias):
+            want = _f32_exact(x, w, b, two_chains=loop)
+            pb = None if b is None else f32_linear.pack_bias(b, p)
+            for rows in range(1, 14):
+                got = f32_linear.linear(x[:rows].contiguous(), p, pb, n)
+                assert torch.equal(got, want[:rows]), (n, k, rows, b is None)
+
+
+@needs_kernel
+@pytest.mark.skipif(not _AVX512, reason="the CPU lacks avx512f: one loop only")
+def test_the_fp32_loop_switch_reads_its_variable_once_and_refuses_bad_modes():
+    """EDGEBUILD_FP32_AVX512=0 in a fresh process starts on the AVX2 loop, unset on AVX-512;
+    the op refuses a mode outside -1..1 by name."""
+    import subprocess
+    import sys
+
+    code = "from edgebuild.ops import f32_linear as f; f.available(); print(f.avx512())"
+    got = {}
+    for value in ("0", None):
+        env = {k: v for k, v in os.environ.items() if k != "EDGEBUILD_FP32_AVX512"}
+        if value is not None:
+            env["EDGEBUILD_FP32_AVX512"] = value
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        got[value] = out.stdout.strip().splitlines()[-1]
+    assert got == {"0": "False", None: "True"}
+    assert f32_linear.available()
+    with pytest.raises(RuntimeError, match="f32_avx512: mode must be -1, 0 or 1"):
+        torch.ops.edgebuild_f32.f32_avx512(2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("loop", F32_LOOPS)
+def test_two_threads_give_the_same_bits(loop, f32_loop):
+    assert f32_linear.available()
+    f32_loop(loop)
     g = torch.Generator().manual_seed(2)
     w = torch.randn(1000, 576, generator=g)
     p = f32_linear.pack(w)
@@ -178,10 +280,12 @@ def test_bf16_exact_weights_are_packed_as_bf16_in_the_kernels_order():
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(20, 64), (37, 33), (960, 576), (3000, 576)])
-def test_bf16_stored_weights_give_the_fp32_layouts_bits(n, k):
+@pytest.mark.parametrize("loop", F32_LOOPS)
+def test_bf16_stored_weights_give_the_fp32_layouts_bits(n, k, loop, f32_loop):
     """Widening a bf16 to fp32 is exact, so the kernel's products and sums are the same: every
     row count (1-2 rows without software prefetch, 3+ with it; 6 rows a pass) and the fused
     steps give the fp32 layout's bits exactly."""
+    f32_loop(loop)
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16().float()
     bias = torch.randn(n, generator=g)

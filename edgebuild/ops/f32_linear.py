@@ -10,7 +10,9 @@ This kernel packs the weight once at load into blocks of 16 output features, k-m
 (``[ceil(out / 16), in, 16]``, :func:`pack`), reads each block once for up to six rows and
 computes every row with the same instruction sequence whatever the rows beside it (per output,
 each chunk of 32 k summed by FMAs in increasing k, then added to the running total, then
-``+ bias``: more accurate than one long chain, and than MKL's sgemm on these shapes).
+``+ bias``: more accurate than one long chain, and than MKL's sgemm on these shapes; where the
+CPU has AVX-512, each chunk in two chains, its even and its odd k, added at its end:
+:func:`avx512`).
 A row's result therefore never depends on the other rows of the call or on the thread count:
 fp32 DSpark's verify rows equal target-only's decode rows bit for bit.
 
@@ -314,6 +316,20 @@ def a8_vnni(on: bool | None = None) -> bool:
     process (True only where the CPU has it); None only reads it. Call only when
     :func:`available` is True."""
     return bool(torch.ops.edgebuild_f32.a8_vnni(-1 if on is None else int(bool(on))))
+
+
+def avx512(on: bool | None = None) -> bool:
+    """Whether :func:`linear` (fp32 and bf16 weights, the C++ layer steps' too) runs its
+    AVX-512 loop rather than the AVX2 one: a block's 16 outputs in one zmm and two FMA chains
+    per output and chunk (the chunk's even and odd k, added at its end), so 1-3 rows are no
+    longer bound by the FMA latency; all linears of a SmolLM2 token 10-29% faster at 2-8 rows
+    on a Zen 4 core, 5-23% at two (``bench/f32_linears.py``, bench/README.md, 2026-12-06), one
+    row not slower. The two loops sum in a different order, so their results differ in the
+    last bits; each is row-invariant and thread-invariant. The default
+    is the CPU's support (avx512f) unless ``EDGEBUILD_FP32_AVX512=0`` (read once, at the
+    kernel's first fp32 call). ``on`` True / False switches it for the process (True only
+    where the CPU has it); None only reads it. Call only when :func:`available` is True."""
+    return bool(torch.ops.edgebuild_f32.f32_avx512(-1 if on is None else int(bool(on))))
 
 
 def pack_int4_a8(

@@ -12,9 +12,10 @@
 // each 16-output block is read once from memory for up to 6 rows at a time (more rows re-read
 // it from cache), and every row runs the same instruction sequence whatever the rows beside it:
 // for each output, each chunk of 32 k is summed by FMAs in increasing k in a fresh accumulator
-// and added to the running total, then + bias. So a row's result never depends on the other rows of the call, nor on
-// the thread count (threads split the output blocks), which makes fp32 DSpark's verify rows
-// equal target-only's decode rows bit for bit.
+// (where the CPU has AVX-512: in two, the chunk's even and its odd k, added at its end;
+// block_rows_avx512) and added to the running total, then + bias. So a row's result never
+// depends on the other rows of the call, nor on the thread count (threads split the output
+// blocks), which makes fp32 DSpark's verify rows equal target-only's decode rows bit for bit.
 //
 // No -ffast-math (it would let the compiler reassociate the sums).
 
@@ -166,6 +167,139 @@ inline void all_rows(const float* x, int64_t rows, int64_t K, const Weights& w, 
   }
 }
 
+// ------------------------------------------------- fp32 / bf16 weights, the AVX-512 loop
+// Where the CPU has AVX-512 (f32_avx512_on), fp32 and bf16 weights run this loop instead of
+// block_rows: a block's 16 outputs in one zmm, and per output and chunk of kChunk k two
+// accumulators, one for the chunk's even k and one for its odd k (each fed by FMAs in
+// increasing k), added at the chunk's end, then to the running total; then + bias. The two
+// chains halve the FMA latency each row waits on: in block_rows one row is 2 chains of 4-cycle
+// FMAs, and 1-3 rows leave the FMA units idle, so a 3-row verify pass's products did not hide
+// under its weight stream. All linears of a SmolLM2 token (bench/f32_linears.py: bf16 weights
+// streamed from memory, the loops alternated in one process; Zen 4, bench/README.md, runs of
+// 2026-12-06 12:00-12:40 UTC), medians: 3 rows 18-21% faster at one thread (22.4 -> 18.3 ms
+// where one row took 16.8), 2-8 rows 10-29%; at two threads 5-23%; one row, at its memory
+// floor, not slower. 32 zmm registers hold 6 rows' 12 accumulators and totals; with 16 ymm two
+// chains fit 3 rows only, and 4-6 rows in two passes ran 8-15% slower, so CPUs without
+// AVX-512 keep block_rows. The two loops' sums differ in their last bits; within one loop a
+// row's bits depend neither on the rows beside it nor on the thread count.
+struct ZF32Weights {  // fp32 [K, 16]: one 64-byte load, outputs in order
+  const float* wb;
+  static constexpr int64_t kBytesPerK = kBlock * sizeof(float);
+  static constexpr bool kPermuted = false;
+  inline const char* at(int64_t k) const { return reinterpret_cast<const char*>(wb + k * kBlock); }
+  __attribute__((target("avx512f"))) inline __m512 load(int64_t k) const {
+    return _mm512_loadu_ps(wb + k * kBlock);
+  }
+};
+// bf16 [K, 16] in the stored order 0-3, 8-11, 4-7, 12-15 (pack): zero-extended and shifted into
+// fp32 (exact), the lanes keep that order; the totals are put in output order at the end.
+struct ZBF16Weights {
+  const uint16_t* wb;
+  static constexpr int64_t kBytesPerK = kBlock * sizeof(uint16_t);
+  static constexpr bool kPermuted = true;
+  inline const char* at(int64_t k) const { return reinterpret_cast<const char*>(wb + k * kBlock); }
+  __attribute__((target("avx512f"))) inline __m512 load(int64_t k) const {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * kBlock));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+};
+
+// MR rows (1..6) x one block of 16 outputs over all of K (the loop above the structs).
+template <int MR, typename Weights>
+__attribute__((target("avx512f"))) inline void block_rows_avx512(
+    const float* x, int64_t ldx, int64_t K, Weights w, const float* bias, float* y, int64_t ldy,
+    int64_t n_out, bool prefetch) {
+  // named registers, as in block_rows (an array was kept on the stack)
+  __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, e4 = e0, e5 = e0;  // even k
+  __m512 o0 = e0, o1 = e0, o2 = e0, o3 = e0, o4 = e0, o5 = e0;                    // odd k
+  __m512 t0 = e0, t1 = e0, t2 = e0, t3 = e0, t4 = e0, t5 = e0;                    // totals
+#define EB_ZROW(m, A, k)                                                    \
+  if constexpr (MR > m) {                                                   \
+    A##m = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + (k)]), wk, A##m);   \
+  }
+#define EB_ZSTEP(A, k)                                                                     \
+  {                                                                                        \
+    const __m512 wk = w.load(k);                                                           \
+    EB_ZROW(0, A, k) EB_ZROW(1, A, k) EB_ZROW(2, A, k) EB_ZROW(3, A, k) EB_ZROW(4, A, k) \
+    EB_ZROW(5, A, k)                                                                       \
+  }
+#define EB_ZTOT(m) \
+  if constexpr (MR > m) t##m = _mm512_add_ps(t##m, _mm512_add_ps(e##m, o##m));
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + kChunk);
+    if (prefetch)  // this chunk's bytes, kPrefetchBytes ahead, to L2 (as block_rows)
+      for (int64_t off = 0; off < kChunk * Weights::kBytesPerK; off += 64)
+        _mm_prefetch(w.at(k0) + kPrefetchBytes + off, _MM_HINT_T1);
+    e0 = e1 = e2 = e3 = e4 = e5 = o0 = o1 = o2 = o3 = o4 = o5 = _mm512_setzero_ps();
+    int64_t k = k0;
+    for (; k + 2 <= k1; k += 2) {
+      EB_ZSTEP(e, k)
+      EB_ZSTEP(o, k + 1)
+    }
+    if (k < k1) EB_ZSTEP(e, k)  // an odd-length last chunk: its last k is even
+    EB_ZTOT(0) EB_ZTOT(1) EB_ZTOT(2) EB_ZTOT(3) EB_ZTOT(4) EB_ZTOT(5)
+  }
+#undef EB_ZROW
+#undef EB_ZSTEP
+#undef EB_ZTOT
+  const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 tot[6] = {t0, t1, t2, t3, t4, t5};
+  for (int m = 0; m < MR; ++m) {
+    const __m512 t = Weights::kPermuted ? _mm512_permutexvar_ps(order, tot[m]) : tot[m];
+    alignas(64) float out[kBlock];
+    _mm512_store_ps(out, _mm512_add_ps(t, b));
+    std::copy(out, out + n_out, y + m * ldy);  // the last block may hold fewer than 16 outputs
+  }
+}
+
+// rows x one block with the AVX-512 loop: groups of 6 rows, then the remainder.
+template <typename Weights>
+inline void all_rows_avx512(const float* x, int64_t rows, int64_t K, const Weights& w,
+                            const float* bias, float* y, int64_t ldy, int64_t n_out) {
+  const bool prefetch = rows >= kPrefetchRows;
+  for (int64_t m = 0; m < rows; m += kMaxRows) {
+    const float* xm = x + m * K;
+    float* ym = y + m * ldy;
+    switch (std::min<int64_t>(kMaxRows, rows - m)) {
+      case 1: block_rows_avx512<1>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      case 2: block_rows_avx512<2>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      case 3: block_rows_avx512<3>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      case 4: block_rows_avx512<4>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      case 5: block_rows_avx512<5>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+      default: block_rows_avx512<6>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
+    }
+  }
+}
+
+bool f32_avx512_supported() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+  }();
+  return has;
+}
+// Which loop f32_linear runs: the AVX-512 one where the CPU has it, unless
+// EDGEBUILD_FP32_AVX512=0 (read once, at the first call); f32_avx512(0 / 1) switches it (tests
+// run both loops in one process). One relaxed load a call.
+std::atomic<int> g_f32_avx512{-1};
+bool f32_avx512_on() {
+  int v = g_f32_avx512.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("EDGEBUILD_FP32_AVX512");
+    v = f32_avx512_supported() && !(env && env[0] == '0');
+    g_f32_avx512.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+// mode 1 / 0: the AVX-512 loop on (where the CPU has it) / off; -1: unchanged. Returns whether on.
+bool f32_avx512(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "f32_avx512: mode must be -1, 0 or 1, got ", mode);
+  if (mode >= 0)
+    g_f32_avx512.store(mode == 1 && f32_avx512_supported(), std::memory_order_relaxed);
+  return f32_avx512_on();
+}
+
 // The checks and the bias both ops share: out n must fill the last of NB blocks; the bias (if
 // any) is fp32 [16 * NB] (f32_linear.pack_bias); returns its data (nullptr: none), kept alive
 // in `keep`.
@@ -294,16 +428,20 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::op
   const float* xp = x.data_ptr<float>();
   const void* wp = w.data_ptr();
   float* yp = y.data_ptr<float>();
+  const bool z = f32_avx512_on();
   auto work = [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const float* bb = bp ? bp + blk * kBlock : nullptr;
       const int64_t n_out = std::min<int64_t>(kBlock, n - blk * kBlock);
+      float* yb = yp + blk * kBlock;
       if (bf16) {
         const uint16_t* wb = static_cast<const uint16_t*>(wp) + blk * K * kBlock;
-        all_rows(xp, rows, K, BF16Weights{{wb}}, bb, yp + blk * kBlock, n, n_out);
+        if (z) all_rows_avx512(xp, rows, K, ZBF16Weights{wb}, bb, yb, n, n_out);
+        else all_rows(xp, rows, K, BF16Weights{{wb}}, bb, yb, n, n_out);
       } else {
         const float* wb = static_cast<const float*>(wp) + blk * K * kBlock;
-        all_rows(xp, rows, K, F32Weights{{wb}}, bb, yp + blk * kBlock, n, n_out);
+        if (z) all_rows_avx512(xp, rows, K, ZF32Weights{wb}, bb, yb, n, n_out);
+        else all_rows(xp, rows, K, F32Weights{{wb}}, bb, yb, n, n_out);
       }
     }
   };
@@ -1077,6 +1215,7 @@ TORCH_LIBRARY(edgebuild_f32, m) {
       "float conf_b) -> (Tensor, Tensor, Tensor)");
   m.def("f32_available() -> bool", &available);
   m.def("a8_vnni(int mode=-1) -> bool", &a8_vnni);
+  m.def("f32_avx512(int mode=-1) -> bool", &f32_avx512);
 }
 TORCH_LIBRARY_IMPL(edgebuild_f32, CPU, m) {
   m.impl("f32_linear", &f32_linear);
