@@ -36,6 +36,7 @@ from edgebuild.ops.attention import AttentionSpec
 from edgebuild.ops.linear import PackedLinear, use_packed
 from edgebuild.ops.mrope import mrope_cos_sin_rows
 from edgebuild.ops.rope import rope_cos_sin_table
+from edgebuild.ops.threads import converted
 
 log = logging.getLogger("edgebuild.models")
 
@@ -232,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
             x = torch.gather(x, 1, idx)
         head = self.packed_lm_head
         if use_packed(head):  # the final norm runs inside the head's call (PackedLinear)
-            logits = head(x, self.model.norm).float()
+            logits = converted(head(x, self.model.norm), torch.float32)  # ops/threads.py
         else:
             logits = self.lm_head(self.model.norm(x)).float()
         return logits, tap

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgebuild.ops import amx_linear, f32_linear
+from edgebuild.ops.threads import converted
 
 MAX_INVARIANT_ROWS = 64  # rows per oneDNN call (checked row-invariant at 1 and 2 threads)
 QUANT_MODES = ("int8", "int4")  # weight-only modes of PackedLinear (opt-in: `--quant ...`)
@@ -283,7 +284,7 @@ class PackedLinear:
         rows = x2.shape[0]
         if self.bf16_f32:  # bf16 in and out, the fp32 kernel between (one rounding)
             y = f32_linear.linear(x2.float(), self.weight, self._f32_bias, self.out_features)
-            y = y.to(self.dtype)
+            y = converted(y, self.dtype)  # a head's rows: no OpenMP region (ops/threads.py)
         elif self.bf16_amx:
             y = amx_linear.linear_bf16(x2, self.weight, self._amx_bias)
             if y.shape[1] != self.out_features:  # padded to a whole block of 16
