@@ -322,8 +322,8 @@ def avx512(on: bool | None = None) -> bool:
     """Whether :func:`linear` (fp32 and bf16 weights, the C++ layer steps' too) runs its
     AVX-512 loop rather than the AVX2 one: a block's 16 outputs in one zmm and two FMA chains
     per output and chunk (the chunk's even and odd k, added at its end), so 1-3 rows are no
-    longer bound by the FMA latency; all linears of a SmolLM2 token 10-29% faster at 2-8 rows
-    on a Zen 4 core, 5-23% at two (``bench/f32_linears.py``, bench/README.md, 2026-12-06), one
+    longer bound by the FMA latency; all linears of a SmolLM2 token 6-29% faster at 2-8 rows
+    on a Zen 4 core, 6-28% at two (``bench/f32_linears.py``, bench/README.md, 2026-12-06), one
     row not slower. The two loops sum in a different order, so their results differ in the
     last bits; each is row-invariant and thread-invariant. The default
     is the CPU's support (avx512f) unless ``EDGEBUILD_FP32_AVX512=0`` (read once, at the

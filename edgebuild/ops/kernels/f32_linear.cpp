@@ -176,8 +176,8 @@ inline void all_rows(const float* x, int64_t rows, int64_t K, const Weights& w, 
 // FMAs, and 1-3 rows leave the FMA units idle, so a 3-row verify pass's products did not hide
 // under its weight stream. All linears of a SmolLM2 token (bench/f32_linears.py: bf16 weights
 // streamed from memory, the loops alternated in one process; Zen 4, bench/README.md, runs of
-// 2026-12-06 12:00-12:40 UTC), medians: 3 rows 18-21% faster at one thread (22.4 -> 18.3 ms
-// where one row took 16.8), 2-8 rows 10-29%; at two threads 5-23%; one row, at its memory
+// 2026-12-06 11:40-13:02 UTC), medians: 3 rows 8-21% faster at one thread (22.4 -> 18.3 ms
+// where one row took 16.8), 2-8 rows 6-29%; at two threads 6-28%; one row, at its memory
 // floor, not slower. 32 zmm registers hold 6 rows' 12 accumulators and totals; with 16 ymm two
 // chains fit 3 rows only, and 4-6 rows in two passes ran 8-15% slower, so CPUs without
 // AVX-512 keep block_rows. The two loops' sums differ in their last bits; within one loop a
