@@ -37,17 +37,23 @@ F32_LOOPS = [
 ]
 
 
-@pytest.fixture
-def f32_loop():
-    """Set the fp32 kernel's loop for a test (f32_linear.avx512) and restore it after."""
-    before = f32_linear.avx512() if f32_linear.available() else None
+def _switching(switch):
+    """A fixture's body: yields ``use(on)``, which sets a kernel loop switch of
+    :mod:`edgebuild.ops.f32_linear` (``switch(on)``) for a test; restores it after."""
+    before = switch() if f32_linear.available() else None
 
-    def use(avx512: bool) -> None:
-        assert f32_linear.avx512(avx512) is avx512
+    def use(on: bool) -> None:
+        assert switch(on) is on
 
     yield use
     if before is not None:
-        f32_linear.avx512(before)
+        switch(before)
+
+
+@pytest.fixture
+def f32_loop():
+    """Set the fp32 kernel's loop for a test (f32_linear.avx512) and restore it after."""
+    yield from _switching(f32_linear.avx512)
 
 
 def _f32_exact(x, w, bias, two_chains: bool) -> torch.Tensor:
@@ -154,30 +160,6 @@ def test_each_loop_sums_in_its_documented_order(storage, loop, f32_loop):
             for rows in range(1, 14):
                 got = f32_linear.linear(x[:rows].contiguous(), p, pb, n)
                 assert torch.equal(got, want[:rows]), (n, k, rows, b is None)
-
-
-@needs_kernel
-@pytest.mark.skipif(not _AVX512, reason="the CPU lacks avx512f: one loop only")
-def test_the_fp32_loop_switch_reads_its_variable_once_and_refuses_bad_modes():
-    """EDGEBUILD_FP32_AVX512=0 in a fresh process starts on the AVX2 loop, unset on AVX-512;
-    the op refuses a mode outside -1..1 by name."""
-    import subprocess
-    import sys
-
-    code = "from edgebuild.ops import f32_linear as f; f.available(); print(f.avx512())"
-    got = {}
-    for value in ("0", None):
-        env = {k: v for k, v in os.environ.items() if k != "EDGEBUILD_FP32_AVX512"}
-        if value is not None:
-            env["EDGEBUILD_FP32_AVX512"] = value
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        got[value] = out.stdout.strip().splitlines()[-1]
-    assert got == {"0": "False", None: "True"}
-    assert f32_linear.available()
-    with pytest.raises(RuntimeError, match="f32_avx512: mode must be -1, 0 or 1"):
-        torch.ops.edgebuild_f32.f32_avx512(2)
 
 
 @needs_kernel
@@ -690,14 +672,7 @@ A8_LOOPS = [
 @pytest.fixture
 def a8_loop():
     """Set the W4A8 group loop for a test (f32_linear.a8_vnni) and restore it after."""
-    before = f32_linear.a8_vnni() if f32_linear.available() else None
-
-    def use(vnni: bool) -> None:
-        assert f32_linear.a8_vnni(vnni) is vnni
-
-    yield use
-    if before is not None:
-        f32_linear.a8_vnni(before)
+    yield from _switching(f32_linear.a8_vnni)
 
 
 @needs_kernel
@@ -879,24 +854,37 @@ def test_int4_a8_vnni_loop_gives_the_avx2_loops_bits(threads, a8_loop):
 
 
 @needs_kernel
-@pytest.mark.skipif(not _VNNI, reason="the CPU lacks avx512_vnni / bw / vl: one loop only")
-def test_the_a8_loop_switch_reads_its_variable_once_and_refuses_bad_modes():
-    """EDGEBUILD_A8_VNNI=0 in a fresh process starts on the AVX2 loop, unset on VNNI; the op
-    refuses a mode outside -1..1 by name."""
+@pytest.mark.parametrize(
+    "variable,op,reader",
+    [
+        pytest.param(
+            "EDGEBUILD_A8_VNNI", "a8_vnni", "a8_vnni",
+            marks=pytest.mark.skipif(not _VNNI, reason="the CPU lacks avx512_vnni / bw / vl"),
+        ),
+        pytest.param(
+            "EDGEBUILD_FP32_AVX512", "f32_avx512", "avx512",
+            marks=pytest.mark.skipif(not _AVX512, reason="the CPU lacks avx512f"),
+        ),
+    ],
+)  # fmt: skip
+def test_the_loop_switches_read_their_variable_once_and_refuse_bad_modes(variable, op, reader):
+    """The variable at 0 in a fresh process starts on the AVX2 loop, unset on the AVX-512 one
+    (the W4A8 kernel's VNNI loop, the fp32 kernel's two-chain loop); the op refuses a mode
+    outside -1..1 by name."""
     import subprocess
     import sys
 
-    code = "from edgebuild.ops import f32_linear as f; f.available(); print(f.a8_vnni())"
+    code = f"from edgebuild.ops import f32_linear as f; f.available(); print(f.{reader}())"
     got = {}
     for value in ("0", None):
-        env = {k: v for k, v in os.environ.items() if k != "EDGEBUILD_A8_VNNI"}
+        env = {k: v for k, v in os.environ.items() if k != variable}
         if value is not None:
-            env["EDGEBUILD_A8_VNNI"] = value
+            env[variable] = value
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
         got[value] = out.stdout.strip().splitlines()[-1]
     assert got == {"0": "False", None: "True"}
     assert f32_linear.available()
-    with pytest.raises(RuntimeError, match="a8_vnni: mode must be -1, 0 or 1"):
-        torch.ops.edgebuild_f32.a8_vnni(2)
+    with pytest.raises(RuntimeError, match=f"{op}: mode must be -1, 0 or 1"):
+        getattr(torch.ops.edgebuild_f32, op)(2)

@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "pool.h"
@@ -149,22 +150,27 @@ __attribute__((target("avx2,fma"))) inline void block_rows(const float* x, int64
 // rows x one block: groups of kMaxRows rows, then the remainder (each row's sequence is the
 // same in any group size).
 constexpr int kMaxRows = 6;
+// f(std::integral_constant<int, MR>, m) for each group of MR rows starting at row m.
+template <typename F>
+inline void row_groups(int64_t rows, F&& f) {
+  for (int64_t m = 0; m < rows; m += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, rows - m)) {
+      case 1: f(std::integral_constant<int, 1>{}, m); break;
+      case 2: f(std::integral_constant<int, 2>{}, m); break;
+      case 3: f(std::integral_constant<int, 3>{}, m); break;
+      case 4: f(std::integral_constant<int, 4>{}, m); break;
+      case 5: f(std::integral_constant<int, 5>{}, m); break;
+      default: f(std::integral_constant<int, 6>{}, m); break;
+    }
+  }
+}
 template <typename Weights>
 inline void all_rows(const float* x, int64_t rows, int64_t K, const Weights& w, const float* bias,
                      float* y, int64_t ldy, int64_t n_out) {
   const bool prefetch = rows >= kPrefetchRows;
-  for (int64_t m = 0; m < rows; m += kMaxRows) {
-    const float* xm = x + m * K;
-    float* ym = y + m * ldy;
-    switch (std::min<int64_t>(kMaxRows, rows - m)) {
-      case 1: block_rows<1>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      case 2: block_rows<2>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      case 3: block_rows<3>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      case 4: block_rows<4>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      case 5: block_rows<5>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      default: block_rows<6>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-    }
-  }
+  row_groups(rows, [&](auto mr, int64_t m) {
+    block_rows<decltype(mr)::value>(x + m * K, K, K, w, bias, y + m * ldy, ldy, n_out, prefetch);
+  });
 }
 
 // ------------------------------------------------- fp32 / bf16 weights, the AVX-512 loop
@@ -258,18 +264,10 @@ template <typename Weights>
 inline void all_rows_avx512(const float* x, int64_t rows, int64_t K, const Weights& w,
                             const float* bias, float* y, int64_t ldy, int64_t n_out) {
   const bool prefetch = rows >= kPrefetchRows;
-  for (int64_t m = 0; m < rows; m += kMaxRows) {
-    const float* xm = x + m * K;
-    float* ym = y + m * ldy;
-    switch (std::min<int64_t>(kMaxRows, rows - m)) {
-      case 1: block_rows_avx512<1>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      case 2: block_rows_avx512<2>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      case 3: block_rows_avx512<3>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      case 4: block_rows_avx512<4>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      case 5: block_rows_avx512<5>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-      default: block_rows_avx512<6>(xm, K, K, w, bias, ym, ldy, n_out, prefetch); break;
-    }
-  }
+  row_groups(rows, [&](auto mr, int64_t m) {
+    block_rows_avx512<decltype(mr)::value>(x + m * K, K, K, w, bias, y + m * ldy, ldy, n_out,
+                                           prefetch);
+  });
 }
 
 bool f32_avx512_supported() {
@@ -279,26 +277,34 @@ bool f32_avx512_supported() {
   }();
   return has;
 }
-// Which loop f32_linear runs: the AVX-512 one where the CPU has it, unless
-// EDGEBUILD_FP32_AVX512=0 (read once, at the first call); f32_avx512(0 / 1) switches it (tests
-// run both loops in one process). One relaxed load a call.
-std::atomic<int> g_f32_avx512{-1};
-bool f32_avx512_on() {
-  int v = g_f32_avx512.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* env = std::getenv("EDGEBUILD_FP32_AVX512");
-    v = f32_avx512_supported() && !(env && env[0] == '0');
-    g_f32_avx512.store(v, std::memory_order_relaxed);
+// A kernel loop taken where the CPU has what it needs, unless its environment variable is "0"
+// (read once, at the first call); set(op, 0 / 1) switches it for the process (tests run both
+// loops in one process; 1 only where the CPU has it), set(op, -1) only reads it. One relaxed
+// load a call.
+struct LoopSwitch {
+  const char* env;
+  bool (*supported)();
+  std::atomic<int> state{-1};
+  bool on() {
+    int v = state.load(std::memory_order_relaxed);
+    if (v < 0) {
+      const char* e = std::getenv(env);
+      v = supported() && !(e && e[0] == '0');
+      state.store(v, std::memory_order_relaxed);
+    }
+    return v;
   }
-  return v;
-}
-// mode 1 / 0: the AVX-512 loop on (where the CPU has it) / off; -1: unchanged. Returns whether on.
-bool f32_avx512(int64_t mode) {
-  TORCH_CHECK(mode >= -1 && mode <= 1, "f32_avx512: mode must be -1, 0 or 1, got ", mode);
-  if (mode >= 0)
-    g_f32_avx512.store(mode == 1 && f32_avx512_supported(), std::memory_order_relaxed);
-  return f32_avx512_on();
-}
+  bool set(const char* op, int64_t mode) {
+    TORCH_CHECK(mode >= -1 && mode <= 1, op, ": mode must be -1, 0 or 1, got ", mode);
+    if (mode >= 0) state.store(mode == 1 && supported(), std::memory_order_relaxed);
+    return on();
+  }
+};
+// Which loop f32_linear runs: the AVX-512 one where the CPU has it (EDGEBUILD_FP32_AVX512=0:
+// the AVX2 one); f32_avx512(mode) is the op tests switch it with.
+LoopSwitch g_f32_avx512{"EDGEBUILD_FP32_AVX512", f32_avx512_supported};
+bool f32_avx512_on() { return g_f32_avx512.on(); }
+bool f32_avx512(int64_t mode) { return g_f32_avx512.set("f32_avx512", mode); }
 
 // The checks and the bias both ops share: out n must fill the last of NB blocks; the bias (if
 // any) is fp32 [16 * NB] (f32_linear.pack_bias); returns its data (nullptr: none), kept alive
@@ -812,25 +818,11 @@ bool a8_vnni_supported() {
   }();
   return has;
 }
-// Which group loop int4_a8_linear runs: VNNI where the CPU has it, unless EDGEBUILD_A8_VNNI=0
-// (read once, at the first call); a8_vnni(0 / 1) switches it (tests run both loops in one
-// process). One relaxed load a call.
-std::atomic<int> g_a8_vnni{-1};
-bool a8_vnni_on() {
-  int v = g_a8_vnni.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* env = std::getenv("EDGEBUILD_A8_VNNI");
-    v = a8_vnni_supported() && !(env && env[0] == '0');
-    g_a8_vnni.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-// mode 1 / 0: the VNNI loop on (where the CPU has it) / off; -1: unchanged. Returns whether on.
-bool a8_vnni(int64_t mode) {
-  TORCH_CHECK(mode >= -1 && mode <= 1, "a8_vnni: mode must be -1, 0 or 1, got ", mode);
-  if (mode >= 0) g_a8_vnni.store(mode == 1 && a8_vnni_supported(), std::memory_order_relaxed);
-  return a8_vnni_on();
-}
+// Which group loop int4_a8_linear runs: VNNI where the CPU has it (EDGEBUILD_A8_VNNI=0: the
+// AVX2 one); a8_vnni(mode) is the op tests switch it with (LoopSwitch).
+LoopSwitch g_a8_vnni{"EDGEBUILD_A8_VNNI", a8_vnni_supported};
+bool a8_vnni_on() { return g_a8_vnni.on(); }
+bool a8_vnni(int64_t mode) { return g_a8_vnni.set("a8_vnni", mode); }
 constexpr int kA8Rows = 4;  // rows per chunk
 
 // rows x one block of 16 outputs: chunks of up to 4 rows over all groups (each row's sequence
