@@ -20,11 +20,9 @@ import statistics
 import time
 
 import torch
+from int4_a8_linears import HIDDEN, INTER, LAYERS, SHAPES, VOCAB  # one token's shapes
 
 from edgebuild.ops import f32_linear
-
-HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
-SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 
 
 def weights(storage: str) -> list[tuple[int, int, torch.Tensor]]:

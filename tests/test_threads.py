@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from edgebuild.ops import threads
-from edgebuild.runtime import threads as runtime_threads
 
 
 @pytest.fixture
@@ -59,8 +58,3 @@ def test_small_or_same_dtype_tensors_are_converted_in_place_of_the_call(two_thre
     big = torch.randn(2, threads.OPENMP_GRAIN)
     assert threads.converted(big, torch.float32) is big
     assert calls == []
-
-
-def test_the_runtime_module_reexports_the_same_functions():
-    assert runtime_threads.one_thread is threads.one_thread
-    assert runtime_threads.converted is threads.converted

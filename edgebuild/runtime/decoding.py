@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edgebuild.ops import f32_linear
+from edgebuild.ops.threads import one_thread
 from edgebuild.runtime.backend import (
     DraftBackend,
     MultimodalPrefill,
@@ -52,7 +53,6 @@ from edgebuild.runtime.sampling import SamplingParams, sample, target_probs
 from edgebuild.runtime.spec_schedule import ConfidenceScheduler
 from edgebuild.runtime.stopping import IncrementalDetokenizer, StopChecker
 from edgebuild.runtime.structured import RequestGrammar
-from edgebuild.runtime.threads import one_thread
 
 
 @dataclass

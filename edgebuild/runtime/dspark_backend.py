@@ -29,6 +29,7 @@ from edgebuild.models import common
 from edgebuild.models.common import PagedBatch
 from edgebuild.models.dspark import DSparkDraft, MarkovHeadType
 from edgebuild.ops import attention_fast, attention_kernel
+from edgebuild.ops.threads import one_thread
 from edgebuild.runtime.backend import Proposal
 from edgebuild.runtime.kv_cache import (
     DraftRing,
@@ -46,7 +47,6 @@ from edgebuild.runtime.markov_walk import (
     walk_uniforms,
 )
 from edgebuild.runtime.sampling import SamplingParams
-from edgebuild.runtime.threads import one_thread
 from edgebuild.runtime.torch_backend import make_batch, pad_rows
 
 log = logging.getLogger("edgebuild.runtime")

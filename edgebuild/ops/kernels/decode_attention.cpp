@@ -675,7 +675,7 @@ void context_layers(const at::Tensor& c, at::TensorList caches, at::TensorList w
 }
 
 // torch's intra-op threads (which edgebuild's kernel pool sizes itself from) set to 1 while
-// alive, when `on` (edgebuild.runtime.threads.one_thread's rule, inside one call).
+// alive, when `on` (edgebuild.ops.threads.one_thread's rule, inside one call).
 struct OneThread {
   int threads = 0;
   explicit OneThread(bool on) {

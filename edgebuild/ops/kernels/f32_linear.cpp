@@ -270,9 +270,10 @@ inline void all_rows_avx512(const float* x, int64_t rows, int64_t K, const Weigh
   });
 }
 
-bool f32_avx512_supported() {
+// Whether the CPU has AVX-512F (the fp32 kernel's zmm loop; the W4A8 prefetch distance).
+bool has_avx512f() {
   static const bool has = [] {
-    __builtin_cpu_init();
+    __builtin_cpu_init();  // a static initializer may run before libgcc's own
     return __builtin_cpu_supports("avx512f");
   }();
   return has;
@@ -302,7 +303,7 @@ struct LoopSwitch {
 };
 // Which loop f32_linear runs: the AVX-512 one where the CPU has it (EDGEBUILD_FP32_AVX512=0:
 // the AVX2 one); f32_avx512(mode) is the op tests switch it with.
-LoopSwitch g_f32_avx512{"EDGEBUILD_FP32_AVX512", f32_avx512_supported};
+LoopSwitch g_f32_avx512{"EDGEBUILD_FP32_AVX512", has_avx512f};
 bool f32_avx512_on() { return g_f32_avx512.on(); }
 bool f32_avx512(int64_t mode) { return g_f32_avx512.set("f32_avx512", mode); }
 
@@ -576,10 +577,7 @@ at::Tensor int4_f32_linear(const at::Tensor& x_in, const at::Tensor& codes, cons
 // a SmolLM2 int4 decode step 6.8 -> 6.4 and 7.8 -> 7.3 ms (1 thread), 6.4 -> 4.8 and 5.9 ->
 // 5.4 ms (2). So 128 B where AVX-512 is (GCC 12 cannot name Zen 4; no other AVX-512 CPU was
 // measured), 1024 elsewhere. Prefetching changes no arithmetic: the bits are the same.
-const int kA8Prefetch = [] {
-  __builtin_cpu_init();  // a static initializer may run before libgcc's own
-  return __builtin_cpu_supports("avx512f") ? 128 : 1024;
-}();
+const int kA8Prefetch = has_avx512f() ? 128 : 1024;
 constexpr int64_t kA8BlockBytes = kBlock * kGroup / 2;  // code bytes per block and group: 256
 
 // x fp32 [rows, K] (K a multiple of 32) -> xq int8 [K / 32, rows, 32], sx and ms fp32
